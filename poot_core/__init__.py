@@ -1,0 +1,1 @@
+"""poot: load LLM checkpoints and run them on the device the machine has."""
