@@ -1,0 +1,1 @@
+"""WGSL compute kernels of the Vulkan backend and the wgpu runtime they run on."""

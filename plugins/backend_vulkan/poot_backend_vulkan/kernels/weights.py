@@ -1,0 +1,101 @@
+"""Weight matrices on the device, kept in their stored layout and split into row-chunks.
+
+A chunk is one buffer of whole rows no larger than the runtime's storage binding limit, so a matrix
+larger than one binding (a big vocabulary head) becomes several bindings and dispatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from poot_core.errors import CapacityError, Reason, Unsupported
+
+from .runtime import Runtime
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    block_values: int  # values per block along a row
+    block_bytes: int  # bytes per block
+    shader: str  # the wgsl file holding its decode_unit
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block_values * self.block_bytes
+
+
+FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("f32", 1, 4, "fmt_f32"),
+        WeightFormat("f16", 1, 2, "fmt_f16"),
+        WeightFormat("bf16", 1, 2, "fmt_bf16"),
+        WeightFormat("Q4_0", 32, 18, "fmt_q4_0"),
+        WeightFormat("Q4_1", 32, 20, "fmt_q4_1"),
+        WeightFormat("Q8_0", 32, 34, "fmt_q8_0"),
+        WeightFormat("Q4_K", 256, 144, "fmt_q4_k"),
+        WeightFormat("Q6_K", 256, 210, "fmt_q6_k"),
+    )
+}
+_HOST_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+@dataclass
+class WeightChunk:
+    row_start: int
+    rows: int
+    buffer: Any
+
+
+@dataclass
+class DeviceWeight:
+    """A [rows, cols] matrix in format `fmt`, stored as row-chunks."""
+
+    fmt: WeightFormat
+    rows: int
+    cols: int
+    chunks: list[WeightChunk]
+
+
+def weight_format(name: str) -> WeightFormat:
+    found = FORMATS.get(name)
+    if found is None:
+        raise Unsupported(Reason.QUANTIZATION, name, f"the Vulkan kernels read {', '.join(FORMATS)}")
+    return found
+
+
+def upload_weight(runtime: Runtime, data: np.ndarray, fmt: str, shape: tuple[int, int]) -> DeviceWeight:
+    """Place a weight matrix on the device without widening it.
+
+    data: f32 -> float32 [rows, cols]; f16 -> float16 [rows, cols]; bf16 -> uint16 bit patterns
+    [rows, cols]; GGUF types -> uint8 [rows, bytes_per_row] exactly as stored in the file.
+    """
+    form = weight_format(fmt)
+    rows, cols = int(shape[0]), int(shape[1])
+    if cols % form.block_values:
+        raise Unsupported(Reason.SHAPE, fmt, f"row length {cols} is not a multiple of {form.block_values}")
+    row_bytes = form.row_bytes(cols)
+    expected_dtype = _HOST_DTYPES.get(fmt, np.uint8)
+    if data.dtype != expected_dtype or data.size * data.itemsize != rows * row_bytes:
+        raise Unsupported(
+            Reason.SHAPE,
+            fmt,
+            f"expected {np.dtype(expected_dtype).name} data of {rows * row_bytes} bytes for {rows}x{cols}, "
+            f"got {data.dtype.name} of {data.size * data.itemsize} bytes",
+        )
+    flat = np.ascontiguousarray(data).view(np.uint8).reshape(rows, row_bytes)
+    rows_per_chunk = runtime.max_binding_bytes // row_bytes
+    if rows_per_chunk == 0:
+        raise CapacityError(
+            f"one {fmt} row of {row_bytes} bytes exceeds the storage binding limit {runtime.max_binding_bytes}"
+        )
+    chunks = [
+        WeightChunk(
+            start, min(rows_per_chunk, rows - start), runtime.raw_upload(flat[start : start + rows_per_chunk])
+        )
+        for start in range(0, rows, rows_per_chunk)
+    ]
+    return DeviceWeight(form, rows, cols, chunks)
