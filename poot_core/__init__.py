@@ -1,1 +1,55 @@
-"""poot: load LLM checkpoints and run them on the device the machine has."""
+"""poot: load LLM checkpoints and run them on the device the machine has.
+
+Everything a user or a plugin author needs is importable from here; plugins use nothing else of
+poot_core but this module and poot_core.errors.
+"""
+
+from poot_core.checkpoint.handle import LoadOptions, ModelHandle, WeightStore
+from poot_core.checkpoint.integrity import Manifest
+from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
+from poot_core.driver.core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Generation,
+    GenerationControl,
+    Layout,
+    Timings,
+)
+from poot_core.driver.sampling import Sampler
+from poot_core.errors import (
+    CapacityError,
+    CheckpointError,
+    IntegrityError,
+    PluginError,
+    PootError,
+    Reason,
+    RequestError,
+    TemplateError,
+    Unsupported,
+)
+from poot_core.executor import (
+    BackendChoice,
+    BackendSpec,
+    Capabilities,
+    Executor,
+    Program,
+    installed_backends,
+    open_executor,
+    require_ops,
+)
+from poot_core.family import Family, ModelConfig
+from poot_core.graph import Graph, Node, StateSpec, StepShape, Tracer, Value
+from poot_core.plugins import hookimpl
+from poot_core.registry import Registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendChoice", "BackendSpec", "Capabilities", "CapacityError", "CheckpointError", "Driver",
+    "DriverOptions", "Executor", "Family", "GenerateRequest", "Generation", "GenerationControl", "Graph",
+    "IntegrityError", "Layout", "LoadOptions", "Manifest", "ModelConfig", "ModelHandle", "Node", "PackedWeight",
+    "PluginError", "PootError", "Program", "Reason", "Registry", "RequestError", "Sampler", "StateSpec",
+    "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
+    "hookimpl", "installed_backends", "open_executor", "require_ops", "weight_kind",
+]

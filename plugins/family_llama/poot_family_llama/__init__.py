@@ -1,0 +1,1 @@
+"""poot-family-llama: dense decoder families for poot."""

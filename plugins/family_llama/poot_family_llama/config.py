@@ -1,0 +1,126 @@
+"""Dense decoder configuration: one dataclass for llama, mistral, qwen2, qwen3 and gemma3, read from a
+Hugging Face config.json or from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from poot_core import CheckpointError, ModelConfig
+
+
+@dataclass
+class DecoderParams:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    norm_eps: float
+    # Per layer: rope base, rope scaling dict, sliding window (None: global attention).
+    layer_theta: list[float]
+    layer_scaling: list[dict[str, Any]]
+    layer_window: list[int | None]
+    rotary_dim: int
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    act: str = "silu"
+    embed_scale: float | None = None
+    norm_offset: float = 0.0  # gemma stores w - 1 and multiplies by (1 + w)
+    sandwich_norms: bool = False  # gemma3: post-attention and pre/post feed-forward norms
+    attn_scale: float = 0.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_style: str = "neox"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu": "gelu"}
+
+
+def _need(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise CheckpointError("config.json", f"missing key {key!r}")
+    return hf[key]
+
+
+def _rope_for(hf: dict[str, Any], layer_type: str) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling) for one layer type, from transformers 5's rope_parameters or the older keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params and isinstance(params[layer_type], dict):
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+            theta, scaling = float(hf["rope_local_base_freq"]), {}
+    if (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+        scaling = {}
+    return theta, scaling
+
+
+def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
+    layers = int(_need(hf, "num_hidden_layers"))
+    hidden = int(_need(hf, "hidden_size"))
+    heads = int(_need(hf, "num_attention_heads"))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    gemma = model_type.startswith("gemma3")
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if not types:
+        if gemma:
+            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        elif model_type == "mistral" and window:
+            types = ["sliding_attention"] * layers
+        elif model_type == "qwen2" and hf.get("use_sliding_window") and window:
+            start = int(hf.get("max_window_layers", layers))
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+        else:
+            types = ["full_attention"] * layers
+    if model_type == "qwen2" and not hf.get("use_sliding_window"):
+        types = ["full_attention"] * layers  # qwen2 ignores its sliding_window unless use_sliding_window
+    ropes = [_rope_for(hf, t) for t in types]
+    act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act_name not in ACTIVATIONS:
+        from poot_core import Reason, Unsupported
+
+        raise Unsupported(Reason.OPERATION, f"activation {act_name}", f"{model_type} config")
+    partial = float(hf.get("partial_rotary_factor", 1.0))
+    return DecoderParams(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=int(_need(hf, "intermediate_size")),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        layer_theta=[r[0] for r in ropes], layer_scaling=[r[1] for r in ropes],
+        layer_window=[int(window) if t == "sliding_attention" and window else None for t in types],
+        rotary_dim=int(head_dim * partial),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        qk_norm=model_type in ("qwen3",) or gemma,
+        act=ACTIVATIONS[act_name],
+        embed_scale=hidden**0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else head_dim**-0.5,
+        attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=hf.get("final_logit_softcapping") if gemma else None,
+    )
+
+
+def model_config(family: str, arch: str, p: DecoderParams, vocab: int, positions: int,
+                 eos: tuple[int, ...], bos: int | None, fmt: str, raw: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(family=family, architecture=arch, vocab_size=vocab, max_positions=positions,
+                       hidden_size=p.hidden, eos_ids=eos, bos_id=bos, params=p, source_format=fmt, raw=raw)
+
+
+def eos_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    return (int(value),)

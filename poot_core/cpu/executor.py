@@ -1,0 +1,173 @@
+"""The embedded default executor: torch on the CPU.
+
+Weights are used where they lie (memory-mapped, dtype as stored). A prepared program is the graph's node
+list with each node bound to a small function once, so a step is a plain loop with no lookups by op name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
+from poot_core.cpu import ops
+from poot_core.errors import Reason, Unsupported
+from poot_core.executor import Capabilities, require_ops
+from poot_core.graph import Graph, Node
+
+CPU_OPS = frozenset({
+    "embed", "rms_norm", "layer_norm", "linear", "reshape", "rope", "attention", "encoder_attention",
+    "gated", "activation", "add", "mul", "scale", "last_position", "logits", "moe", "mla_attention",
+    "slice", "concat", "softmax", "sigmoid", "pool",
+})
+DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
+
+Env = dict[str, torch.Tensor]
+StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
+
+# Ops a plugin family adds (the MoE op, latent attention) register a builder here through
+# `register_cpu_op`; core's own ops are bound in `_bind`.
+_EXTRA_OPS: dict[str, Callable[[Node, Callable[[str], Any]], StepFn]] = {}
+
+
+def register_cpu_op(name: str, builder: Callable[[Node, Callable[[str], Any]], StepFn]) -> None:
+    """Let a family add an op to the CPU executor (it is the reference for every backend too)."""
+    _EXTRA_OPS[name] = builder
+
+
+class CpuProgram:
+    def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
+        self.graph = graph
+        self._steps = [(node.output, _bind(node, weights)) for node in graph.nodes]
+
+    def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        env: Env = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in inputs.items()}
+        with torch.inference_mode():
+            for out, fn in self._steps:
+                env[out] = fn(env, state)
+        return [env[name] for name in self.graph.outputs]
+
+
+def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
+    """One node -> a function of (env, state). Weights are looked up once, here."""
+
+    def arg(i: int) -> Callable[[Env, dict[str, torch.Tensor]], Any]:
+        name = node.inputs[i] if i < len(node.inputs) else ""
+        if name == "":
+            return lambda env, state: None
+        if name.startswith("w:"):
+            w = weights[name[2:]]
+            return lambda env, state: w
+        if name.startswith("s:"):
+            key = name[2:]
+            return lambda env, state: state[key]
+        return lambda env, state: env[name]
+
+    def get(name: str) -> Any:
+        if name.startswith("w:"):
+            return weights[name[2:]]
+        return name
+
+    a = node.attrs
+    args = [arg(i) for i in range(len(node.inputs))]
+    op = node.op
+    if op in _EXTRA_OPS:
+        return _EXTRA_OPS[op](node, get)
+    if op == "embed":
+        table, tokens = args
+        scale = a.get("scale")
+        if scale is None:
+            return lambda e, s: ops.embed(table(e, s), tokens(e, s))
+        return lambda e, s: ops.embed(table(e, s), tokens(e, s)) * scale
+    if op == "rms_norm":
+        x, w = args
+        return lambda e, s: ops.rms_norm(x(e, s), w(e, s), a["eps"], a["offset"])
+    if op == "layer_norm":
+        x, w, b = args
+        return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), a["eps"])
+    if op == "linear":
+        x, w, b = args
+        return lambda e, s: ops.linear(x(e, s), w(e, s), b(e, s))
+    if op == "reshape":
+        (x,) = args
+        return lambda e, s: x(e, s).reshape(node.shape)
+    if op == "rope":
+        x, pos = args
+        return lambda e, s: ops.rope(x(e, s), pos(e, s), a["theta"], a["dim"], a["style"], a["scaling"])
+    if op == "attention":
+        q, k, v, pos, kc, vc = args
+        return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),
+                                          a["scale"], a["window"], a["softcap"])
+    if op == "encoder_attention":
+        q, k, v, mask = args
+        return lambda e, s: ops.encoder_attention(q(e, s), k(e, s), v(e, s), mask(e, s), a["scale"])
+    if op == "gated":
+        g, u = args
+        return lambda e, s: ops.gated(g(e, s), u(e, s), a["act"])
+    if op == "activation":
+        (x,) = args
+        return lambda e, s: ops.activation(x(e, s), a["act"])
+    if op == "add":
+        x, y = args
+        return lambda e, s: x(e, s) + _dense(y(e, s))
+    if op == "mul":
+        x, y = args
+        return lambda e, s: x(e, s) * _dense(y(e, s))
+    if op == "scale":
+        (x,) = args
+        return lambda e, s: x(e, s) * a["factor"]
+    if op == "last_position":
+        (x,) = args
+        return lambda e, s: x(e, s)[:, -1:, :]
+    if op == "logits":
+        x, w = args
+        return lambda e, s: ops.logits(x(e, s), w(e, s), a["softcap"])
+    raise Unsupported(Reason.OPERATION, op, "the cpu backend has no implementation for it")
+
+
+def _dense(x: Any) -> torch.Tensor:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype != torch.float32 else x
+
+
+class CpuExecutor:
+    name = "cpu"
+
+    def capabilities(self) -> Capabilities:
+        from poot_core.checkpoint.quant import supported_kinds
+
+        return Capabilities(CPU_OPS | frozenset(_EXTRA_OPS), DENSE_KINDS | frozenset(supported_kinds()))
+
+    def upload(self, store: Any) -> dict[str, Weight]:
+        """Nothing moves: the CPU computes from the memory-mapped weights as stored."""
+        caps = self.capabilities()
+        weights = {}
+        for name in store.names():
+            w = store.get(name)
+            kind = weight_kind(w)
+            if isinstance(w, PackedWeight) and kind not in caps.weight_kinds:
+                raise Unsupported(Reason.QUANTIZATION, f"{kind} (tensor {name})",
+                                  "the cpu backend cannot compute from this layout")
+            weights[name] = w
+        return weights
+
+    def prepare(self, graph: Graph, weights: dict[str, Weight]) -> CpuProgram:
+        require_ops(graph, self.capabilities(), self.name)
+        return CpuProgram(graph, weights)
+
+    def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(spec.shape) for name, spec in graph.state.items()}
+
+    def copy_state_rows(self, state: dict[str, torch.Tensor], src_row: int, dst_row: int, length: int) -> None:
+        for buf in state.values():
+            buf[dst_row, :, :length] = buf[src_row, :, :length]
+
+    def to_numpy(self, value: torch.Tensor) -> np.ndarray:
+        return value.detach().float().numpy()
+
+    def memory(self) -> dict[str, int]:
+        vm = psutil.virtual_memory()
+        return {"total": int(vm.total), "free": int(vm.available)}

@@ -1,0 +1,161 @@
+"""The CPU executor's ops, in plain torch, float32 activations.
+
+These are also the reference every other backend is compared with, so they favour clarity and exactness:
+dense 16-bit weights are multiplied in their own dtype (oneDNN accumulates in float32), packed weights go
+through poot_core.cpu.packed_linear, and everything between matmuls is float32.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from poot_core.checkpoint.layouts import PackedWeight, Weight
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, PackedWeight):
+        from poot_core.cpu.packed_linear import packed_linear
+
+        y = packed_linear(x, w)
+    elif w.dtype == torch.float32:
+        y = F.linear(x, w)
+    else:
+        y = F.linear(x.to(w.dtype), w).float()
+    if b is not None:
+        y = y + b.float()
+    return y
+
+
+def embed(table: Weight, tokens: torch.Tensor) -> torch.Tensor:
+    flat = tokens.reshape(-1)
+    if isinstance(table, PackedWeight):
+        from poot_core.checkpoint.quant import dequantize
+
+        parts = {k: v[flat] for k, v in table.parts.items()}
+        rows = PackedWeight(table.layout, (flat.numel(), table.shape[1]), parts, table.meta)
+        out = dequantize(rows)
+    else:
+        out = table[flat].float()
+    return out.reshape(*tokens.shape, -1)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return normed * (w.float() + offset) if offset else normed * w.float()
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
+
+
+@lru_cache(maxsize=64)
+def inverse_frequencies(theta: float, dim: int, scaling_items: tuple[tuple[str, Any], ...]) -> torch.Tensor:
+    """Rotary inverse frequencies, with the rope scalings Hugging Face configs name."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(scaling_items)
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope scaling {kind}")
+    return inv
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dim: int, style: str,
+         scaling: dict[str, Any]) -> torch.Tensor:
+    """x [R, T, H, Dh]; positions [R, T]."""
+    inv = inverse_frequencies(theta, dim, tuple(sorted(scaling.items())))
+    angles = positions.float()[..., None] * inv  # [R, T, dim/2]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    rot, rest = x[..., :dim], x[..., dim:]
+    if style == "neox":
+        a, b = rot[..., : dim // 2], rot[..., dim // 2 :]
+        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:  # interleaved pairs (0, 1), (2, 3), ...
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
+              softcap: float | None) -> torch.Tensor:
+    """q [R, T, Hq, D]; k, v [R, T, Hkv, D]; caches [R, Hkv, C, D]; positions [R, T] consecutive per row."""
+    rows, tokens, heads, _ = q.shape
+    kv_heads = k.shape[2]
+    out = torch.empty(rows, tokens, heads, v.shape[-1])
+    for r in range(rows):
+        start = int(positions[r, 0])
+        end = start + tokens
+        k_cache[r, :, start:end] = k[r].transpose(0, 1)
+        v_cache[r, :, start:end] = v[r].transpose(0, 1)
+        first = 0 if window is None else max(0, start - window + 1)
+        keys, values = k_cache[r, :, first:end], v_cache[r, :, first:end]  # [Hkv, S, D]
+        qpos = positions[r][:, None]  # [T, 1]
+        kpos = torch.arange(first, end)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= qpos - kpos < window
+        qr = q[r].transpose(0, 1)  # [Hq, T, D]
+        group = heads // kv_heads
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qr[None], keys[None], values[None], attn_mask=allowed,
+                                               scale=scale, enable_gqa=group > 1)[0]
+        else:
+            keys_g = keys.repeat_interleave(group, 0)
+            values_g = values.repeat_interleave(group, 0)
+            scores = (qr @ keys_g.transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            o = torch.softmax(scores, dim=-1) @ values_g
+        out[r] = o.transpose(0, 1)
+    return out
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention; mask [R, T] is 1 for real tokens and 0 for padding keys."""
+    allowed = mask.bool()[:, None, None, :]  # [R, 1, 1, T]
+    group = q.shape[2] // k.shape[2]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=allowed, scale=scale, enable_gqa=group > 1)
+    return o.transpose(1, 2)
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "relu":
+        return F.relu(x)
+    raise ValueError(f"activation {act}")
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    return activation(gate, act) * up
+
+
+def logits(x: torch.Tensor, w: Weight, softcap: float | None) -> torch.Tensor:
+    y = linear(x, w)
+    if softcap is not None:
+        y = torch.tanh(y / softcap) * softcap
+    return y

@@ -1,0 +1,247 @@
+"""The Driver: one model on one executor. Owns the KV state, chunked prefill, the decode loop, sampling,
+stops and timings.
+
+Each step shape is traced once by the family and prepared once by the executor; prepared programs live in
+a bounded cache. The KV state of row 0 remembers which tokens it holds, so a follow-up request that starts
+with the same tokens (the next turn of a conversation) prefills only what is new.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from poot_core.driver.sampling import Sampler
+from poot_core.driver.stops import StopMatcher
+from poot_core.errors import CapacityError, Reason, RequestError, Unsupported
+from poot_core.graph import StepShape, Tracer
+
+
+class Layout(str, Enum):
+    CONTIGUOUS = "contiguous"
+    PAGED = "paged"
+
+
+class GenerationControl(Enum):
+    CONTINUE = "continue"
+    BREAK = "break"
+
+
+@dataclass
+class DriverOptions:
+    capacity: int = 2048  # KV positions: prompt plus new tokens
+    prefill_chunk: int = 128  # new tokens per prefill step
+    max_programs: int = 16  # prepared step programs kept at once
+
+
+@dataclass
+class GenerateRequest:
+    prompt: list[int]
+    max_new: int = -1  # -1: until end-of-sequence, a stop string, or the end of the window
+    sampler: Sampler = field(default_factory=Sampler.greedy)
+    stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    reused_tokens: int = 0  # prompt tokens whose K/V was already in the cache
+
+    @staticmethod
+    def _rate(n: int, s: float) -> float:
+        return n / s if s > 0 else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self._rate(self.prefill_tokens, self.prefill_seconds)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self._rate(self.decode_tokens, self.decode_seconds)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stop_reason: str  # "eos" | "stop" | "length" | "capacity" | "callback"
+    timings: Timings
+
+
+OnToken = Callable[[int, str], GenerationControl | None]
+
+
+class Driver:
+    def __init__(self, handle: Any, executor: Any, options: DriverOptions | None = None) -> None:
+        self.handle = handle
+        self.executor = executor
+        self.options = options or DriverOptions()
+        if self.options.capacity < 1 or self.options.prefill_chunk < 1:
+            raise RequestError("capacity and prefill_chunk must be positive")
+        config = handle.config()
+        if self.options.capacity > config.max_positions:
+            raise CapacityError(f"capacity {self.options.capacity} exceeds the model's "
+                                f"{config.max_positions} positions")
+        self.config = config
+        self.family = handle.family
+        self.weights = executor.upload(handle.store())
+        self._shapes = handle.store().shapes()
+        self._programs: OrderedDict[StepShape, Any] = OrderedDict()
+        self._state: dict[int, Any] = {}  # rows -> executor state
+        self._cached: list[int] = []  # tokens whose K/V row 0 holds, in order
+        self.layout: Layout | None = None
+
+    # --- programs -------------------------------------------------------------------------------------
+    def program(self, shape: StepShape) -> Any:
+        prog = self._programs.get(shape)
+        if prog is not None:
+            self._programs.move_to_end(shape)
+            return prog
+        tracer = Tracer(shape, self._shapes)
+        try:
+            self.family.trace(self.config, tracer, shape)
+        except KeyError as exc:
+            raise Unsupported(Reason.SHAPE, f"{self.family.name} step {shape}",
+                              f"the checkpoint lacks weight {exc.args[0]}") from exc
+        prog = self.executor.prepare(tracer.graph, self.weights)
+        self._programs[shape] = prog
+        while len(self._programs) > self.options.max_programs:
+            self._programs.popitem(last=False)
+        if shape.rows not in self._state:
+            self._state[shape.rows] = self.executor.allocate_state(tracer.graph)
+        return prog
+
+    def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver:
+        if Layout(layout) is not Layout.CONTIGUOUS:
+            raise Unsupported(Reason.SHAPE, "paged KV layout", "only the contiguous layout is built so far")
+        self.layout = Layout.CONTIGUOUS
+        # Prepare the decode step now, so an op the executor cannot run is refused before any work.
+        self.program(StepShape(1, 1, self.options.capacity))
+        return self
+
+    def _run(self, tokens: list[int], start: int, all_logits: bool) -> Any:
+        shape = StepShape(1, len(tokens), self.options.capacity, all_logits=all_logits)
+        prog = self.program(shape)
+        inputs = {"tokens": np.asarray([tokens], dtype=np.int64),
+                  "positions": np.arange(start, start + len(tokens), dtype=np.int64)[None, :]}
+        return prog.run(self._state[1], inputs)[0]
+
+    def _prefill(self, tokens: list[int], start: int, all_logits: bool = False) -> list[Any]:
+        """Prefill `tokens` at positions from `start` in chunks; returns each chunk's output."""
+        outs = []
+        chunk = self.options.prefill_chunk
+        for i in range(0, len(tokens), chunk):
+            outs.append(self._run(tokens[i : i + chunk], start + i, all_logits))
+        return outs
+
+    # --- public ---------------------------------------------------------------------------------------
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 [positions, vocab]: the logits after every position of `token_ids`, from an empty cache."""
+        ids = self._check_ids(token_ids)
+        if len(ids) > self.options.capacity:
+            raise CapacityError(f"{len(ids)} tokens do not fit the capacity of {self.options.capacity}")
+        self._cached = []
+        outs = self._prefill(ids, 0, all_logits=True)
+        self._cached = list(ids)
+        return np.concatenate([self.executor.to_numpy(o)[0] for o in outs], axis=0).astype(np.float32)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
+        return ids
+
+    def generate(self, request: GenerateRequest, on_token: OnToken | None = None) -> Generation:
+        if self.layout is None:
+            self.serve()
+        prompt = self._check_ids(request.prompt)
+        cap = self.options.capacity
+        if request.max_new < -1:
+            raise RequestError(f"max_new must be -1 or >= 0, got {request.max_new}")
+        if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
+            raise CapacityError(f"prompt of {len(prompt)} tokens plus {request.max_new} new tokens does not fit "
+                                f"the KV capacity of {cap}; raise the capacity (-c) or shorten the request")
+        timings = Timings()
+        sampler = request.sampler
+        text = self.handle.text()
+        # Reuse the K/V of the longest common prefix (at least one token is always run to get logits).
+        reuse = _common_prefix(self._cached, prompt)
+        reuse = min(reuse, len(prompt) - 1)
+        timings.reused_tokens = reuse
+        t0 = time.perf_counter()
+        self._cached = self._cached[:reuse]
+        outs = self._prefill(prompt[reuse:], reuse)
+        last = self.executor.to_numpy(outs[-1])[0, -1]
+        self._cached = list(prompt)
+        timings.prefill_tokens = len(prompt) - reuse
+        timings.prefill_seconds = time.perf_counter() - t0
+
+        stop_ids = set() if request.ignore_eos else set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
+        matcher = StopMatcher(request.stops)
+        stream = text.stream(prompt)
+        history = list(prompt)
+        generated: list[int] = []
+        pieces: list[str] = []
+        reason = "length"
+        limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
+        t1 = time.perf_counter()
+        while len(generated) < limit:
+            token = sampler.sample(last, history)
+            generated.append(token)
+            history.append(token)
+            if token in stop_ids:
+                reason = "eos"
+                break
+            emit, hit = matcher.push(stream.push(token))
+            pieces.append(emit)
+            control = on_token(token, emit) if on_token else None
+            if hit:
+                reason = "stop"
+                break
+            if control is GenerationControl.BREAK:
+                reason = "callback"
+                break
+            if len(generated) >= limit:
+                break
+            position = len(history) - 1
+            if position >= cap:
+                reason = "capacity"
+                break
+            last = self.executor.to_numpy(self._run([token], position, False))[0, -1]
+            self._cached.append(token)
+            timings.decode_tokens += 1
+        else:
+            if request.max_new < 0:
+                reason = "capacity"
+        if reason in ("length", "capacity", "callback"):
+            tail, _ = matcher.push(stream.flush())
+            tail += matcher.flush()
+            if tail:
+                pieces.append(tail)
+                if on_token:
+                    on_token(-1, tail)
+        timings.decode_seconds = time.perf_counter() - t1
+        return Generation(generated, "".join(pieces), reason, timings)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

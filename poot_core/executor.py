@@ -1,0 +1,122 @@
+"""The Executor protocol, backend specs and automatic backend selection.
+
+A backend plugin registers a `BackendSpec`: a name (and aliases), a priority for automatic selection, a
+`probe()` that says whether its device is present (never raising for absence), and a factory that opens
+the executor. The executor uploads weights as stored, prepares traced graphs into programs (or refuses them
+by name before any work), and runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from poot_core.errors import Reason, Unsupported
+from poot_core.graph import Graph, StepShape
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    ops: frozenset[str]
+    # Weight kinds it computes from: torch dtype names ("bfloat16") and PackedWeight kinds ("gguf.Q4_K").
+    weight_kinds: frozenset[str]
+    notes: str = ""
+
+
+class Program(Protocol):
+    """A prepared graph. `run` takes the step's inputs (numpy int arrays named as the graph's inputs)
+    and the executor's state object, and returns the graph's outputs as executor-native arrays."""
+
+    def run(self, state: Any, inputs: dict[str, np.ndarray]) -> list[Any]: ...
+
+
+class Executor(Protocol):
+    name: str
+
+    def capabilities(self) -> Capabilities: ...
+
+    def upload(self, store: Any) -> Any:
+        """Place the weights on the device; returns the executor's handle to them."""
+
+    def prepare(self, graph: Graph, weights: Any) -> Program: ...
+
+    def allocate_state(self, graph: Graph) -> Any:
+        """Allocate the graph's state buffers (KV cache), zeroed."""
+
+    def copy_state_rows(self, state: Any, src_row: int, dst_row: int, length: int) -> None: ...
+
+    def to_numpy(self, value: Any) -> np.ndarray: ...
+
+    def memory(self) -> dict[str, int]:
+        """{"total": bytes, "free": bytes} of the device."""
+
+
+@dataclass
+class BackendSpec:
+    name: str
+    open: Callable[[], Executor]
+    probe: Callable[[], bool]
+    priority: int  # higher wins in automatic selection: cuda 40, rocm 30, vulkan 20, cpu 0
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    distribution: str = field(default="", compare=False)
+
+
+class BackendChoice(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    VULKAN = "vulkan"
+
+
+def installed_backends() -> list[BackendSpec]:
+    from poot_core.plugins import discover
+
+    specs = []
+    for record, spec in discover().backends():
+        spec.distribution = record.distribution
+        specs.append(spec)
+    return sorted(specs, key=lambda s: -s.priority)
+
+
+def _safe_probe(spec: BackendSpec) -> bool:
+    try:
+        return bool(spec.probe())
+    except Exception:  # a probe must never raise for absence; treat a failing probe as absence
+        return False
+
+
+def open_executor(choice: BackendChoice | str = BackendChoice.AUTO,
+                  backends: list[BackendSpec] | None = None) -> Executor:
+    """AUTO picks the highest-priority backend whose probe finds its device (CUDA, then ROCm, then Vulkan,
+    then the CPU). A named backend that is not installed or whose device is absent is a typed refusal."""
+    specs = installed_backends() if backends is None else sorted(backends, key=lambda s: -s.priority)
+    wanted = choice.value if isinstance(choice, BackendChoice) else str(choice).lower()
+    if wanted == BackendChoice.AUTO.value:
+        for spec in specs:
+            if _safe_probe(spec):
+                return spec.open()
+        raise Unsupported(Reason.BACKEND, "auto", "no installed backend found a device")
+    for spec in specs:
+        if wanted == spec.name or wanted in spec.aliases:
+            if not _safe_probe(spec):
+                raise Unsupported(Reason.BACKEND, spec.name, "its device is not present on this machine")
+            return spec.open()
+    names = ", ".join(s.name for s in specs) or "none"
+    raise Unsupported(Reason.BACKEND, wanted, f"no installed backend has that name; installed: {names}")
+
+
+def require_ops(graph: Graph, caps: Capabilities, backend: str) -> None:
+    """Refuse, by name, the first op a graph uses that a backend cannot run."""
+    for op in sorted(graph.ops()):
+        if op not in caps.ops:
+            raise Unsupported(Reason.OPERATION, op, f"the {backend} backend has no kernel for it")
+
+
+__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "Program", "StepShape",
+           "installed_backends", "open_executor", "require_ops"]

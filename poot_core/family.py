@@ -1,0 +1,57 @@
+"""What a model family plugin provides.
+
+A family turns a checkpoint's config (Hugging Face config.json or GGUF metadata) into a `ModelConfig`,
+says which stored tensor names it reads, and writes the model once as a function over the tracer's ops
+(`trace`). It holds no device code: executors run the traced graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from poot_core.graph import StepShape, Tracer
+
+
+@dataclass
+class ModelConfig:
+    """The family-neutral facts every part of poot needs, plus the family's own parameters in `params`."""
+
+    family: str
+    architecture: str
+    vocab_size: int
+    max_positions: int
+    hidden_size: int
+    eos_ids: tuple[int, ...] = ()
+    bos_id: int | None = None
+    # "decoder" generates text; "encoder" gives hidden states for embeddings and scores.
+    kind: str = "decoder"
+    params: Any = None
+    source_format: str = "hf"  # "hf" or "gguf"
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+class Family:
+    """Base class of a model family. Subclasses set `name` and `architectures` and implement the methods."""
+
+    name: str = ""
+    # Every name this family serves: HF `architectures` entries, HF `model_type` values and GGUF
+    # `general.architecture` values.
+    architectures: tuple[str, ...] = ()
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError(f"family {self.name} reads no Hugging Face configs")
+
+    def config_from_gguf(self, metadata: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError(f"family {self.name} reads no GGUF files")
+
+    def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
+        """Map a llama.cpp tensor name to the name `trace` uses (None: not used)."""
+        return name
+
+    def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.name}: {', '.join(self.architectures)}"

@@ -1,0 +1,102 @@
+"""Text services of a loaded model: encode, decode, streaming detokenization, chat prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poot_core.errors import RequestError, TemplateError
+from poot_core.text.vocab import Vocabulary
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces as they come, never splitting a UTF-8 character.
+
+    It decodes a small window of recent ids and emits only what the newest id added; text that ends in
+    an incomplete byte sequence (the replacement character) waits for the next id. Decoding with a few
+    ids of context keeps tokenizers that drop a leading space at the start of a decode honest."""
+
+    def __init__(self, services: TextServices, context: list[int] | None = None) -> None:
+        self._services = services
+        self._ids = list(context or [])[-4:]
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._services.decode(self._ids[self._prefix : self._read])
+        now = self._services.decode(self._ids[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return now[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held back at the end of generation (an incomplete character stays visible)."""
+        before = self._services.decode(self._ids[self._prefix : self._read])
+        now = self._services.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return now[len(before) :]
+
+
+class TextServices:
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab = vocab
+        self.tokenizer = vocab.tokenizer
+
+    # --- plain text -----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS/EOS added the way the model's tokenizer adds them."""
+        if not isinstance(text, str):
+            raise RequestError(f"encode expects a str, got {type(text).__name__}")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._with_specials(ids) if add_special else ids
+
+    def _with_specials(self, ids: list[int]) -> list[int]:
+        v = self.vocab
+        if v.add_bos and v.bos_id is not None and (not ids or ids[0] != v.bos_id):
+            ids = [v.bos_id, *ids]
+        if v.add_eos and v.eos_id is not None:
+            ids = [*ids, v.eos_id]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = [i for i in ids if not 0 <= int(i) < size]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary of {size}: {bad[:5]}")
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def stream(self, context: list[int] | None = None) -> StreamDecoder:
+        return StreamDecoder(self, context)
+
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # --- chat -----------------------------------------------------------------------------------------
+    def has_chat_template(self) -> bool:
+        return bool(self.vocab.chat_template)
+
+    def render_chat_value(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          *, template: str | None = None, add_generation_prompt: bool = True) -> Any:
+        """Render an OpenAI-style messages array through the model's chat template (or `template`).
+        Returns a RenderedChat: .text, .stops (turn-end markers), .segments."""
+        from poot_core.text.chat import compile_template
+
+        source = template or self.vocab.chat_template
+        if not source:
+            raise TemplateError("this model ships no chat template; pass one (--chat-template-file)")
+        v = self.vocab
+        rendered = compile_template(source).render(messages, tools, add_generation_prompt=add_generation_prompt,
+                                                   bos_token=v.bos_token or "", eos_token=v.eos_token or "")
+        return rendered
+
+    def encode_chat(self, rendered: Any) -> list[int]:
+        """The rendered prompt as ids: control tokens the template wrote become their ids, the same spelling
+        inside a message stays plain text. BOS is added when the tokenizer adds it and the template did not."""
+        from poot_core.text.chat import encode_segments
+
+        ids = encode_segments(self.tokenizer, rendered.segments)
+        v = self.vocab
+        if v.add_bos and v.bos_id is not None and (not ids or ids[0] != v.bos_id):
+            ids = [v.bos_id, *ids]
+        return ids
