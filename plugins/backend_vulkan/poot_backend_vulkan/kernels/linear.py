@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 from poot_core.errors import Reason, Unsupported
 
 from .runtime import MAX_GROUPS, Batch, DeviceArray, grid_1d, pack_params, shader_source
+from .shapes import check
 from .weights import DeviceWeight
 
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
@@ -17,16 +16,11 @@ def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight):
     return batch.runtime.pipeline(f"{kernel}:{weight.fmt.name}", source)
 
 
-def _check(name: str, array: DeviceArray, shape: tuple[int, ...], dtype: str = "f32") -> None:
-    if array.size != math.prod(shape) or array.dtype != dtype:
-        raise Unsupported(Reason.SHAPE, name, f"expected {dtype} {shape}, got {array.dtype} {array.shape}")
-
-
 def linear(batch: Batch, x: DeviceArray, weight: DeviceWeight, out: DeviceArray) -> None:
     """out[T, N] = x[T, K] @ W[N, K]^T; one dispatch per row-chunk of W."""
     tokens = x.size // weight.cols
-    _check("linear.x", x, (tokens, weight.cols))
-    _check("linear.out", out, (tokens, weight.rows))
+    check("linear.x", x, (tokens, weight.cols))
+    check("linear.out", out, (tokens, weight.rows))
     pipeline = _pipeline(batch, "linear", weight)
     token_groups = -(-tokens // _TOKENS_PER_GROUP)
     if token_groups > MAX_GROUPS:
@@ -44,8 +38,8 @@ def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray)
     Ids outside the table leave their output row untouched (the caller validates token ids).
     """
     tokens = ids.size
-    _check("embed.ids", ids, (tokens,), "u32")
-    _check("embed.out", out, (tokens, table.cols))
+    check("embed.ids", ids, (tokens,), "u32")
+    check("embed.out", out, (tokens, table.cols))
     pipeline = _pipeline(batch, "embed", table)
     units = -(-table.cols // 32)
     for chunk in table.chunks:

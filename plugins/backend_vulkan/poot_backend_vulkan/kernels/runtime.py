@@ -88,6 +88,7 @@ class Runtime:
         self.max_binding_bytes = min(device_binding, max_binding_bytes or device_binding)
         self.max_buffer_bytes = int(self.device.limits["max-buffer-size"])
         self._pipelines: dict[tuple[str, str], Any] = {}
+        self._scratch: dict[str, Any] = {}
         self._usage = (
             self.wgpu.BufferUsage.STORAGE | self.wgpu.BufferUsage.COPY_SRC | self.wgpu.BufferUsage.COPY_DST
         )
@@ -114,6 +115,13 @@ class Runtime:
         buffer = self.raw_buffer(len(memoryview(payload).cast("B")))
         self.device.queue.write_buffer(buffer, 0, payload)
         return buffer
+
+    def scratch(self, name: str, nbytes: int) -> Any:
+        """A reusable work buffer of at least `nbytes`, kept per name (grows, never shrinks)."""
+        found = self._scratch.get(name)
+        if found is None or found.size < nbytes:
+            found = self._scratch[name] = self.raw_buffer(nbytes)
+        return found
 
     def empty(self, shape: tuple[int, ...] | int, dtype: str = "f32") -> DeviceArray:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -163,7 +171,9 @@ def pack_params(*values: int | float) -> bytes:
     fields = "".join(
         "I" if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else "f" for v in values
     )
-    data = struct.pack("<" + fields, *[int(v) if f == "I" else float(v) for f, v in zip(fields, values)])
+    data = struct.pack(
+        "<" + fields, *[int(v) if f == "I" else float(v) for f, v in zip(fields, values, strict=True)]
+    )
     return data + b"\0" * (16 - len(data) % 16 if len(data) % 16 or not data else 0)
 
 

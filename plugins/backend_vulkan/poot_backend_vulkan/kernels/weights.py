@@ -90,7 +90,8 @@ def upload_weight(runtime: Runtime, data: np.ndarray, fmt: str, shape: tuple[int
     rows_per_chunk = runtime.max_binding_bytes // row_bytes
     if rows_per_chunk == 0:
         raise CapacityError(
-            f"one {fmt} row of {row_bytes} bytes exceeds the storage binding limit {runtime.max_binding_bytes}"
+            f"one {fmt} row of {row_bytes} bytes exceeds the storage binding limit "
+            f"{runtime.max_binding_bytes}"
         )
     chunks = [
         WeightChunk(

@@ -1,0 +1,42 @@
+// ids[r] = index of the largest logits[r, :] (the lowest index among equal maxima), one workgroup per row.
+struct Params {
+    cols: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read_write> ids: array<u32>;
+
+var<workgroup> best_value: array<f32, 64>;
+var<workgroup> best_index: array<u32, 64>;
+
+fn better(v: f32, i: u32, w: f32, j: u32) -> bool {
+    return v > w || (v == w && i < j);
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let base = wid.x * p.cols;
+    var v = -3.4028235e38;
+    var i = 0xffffffffu;
+    for (var k = lid; k < p.cols; k += 64u) {
+        let c = logits[base + k];
+        if (better(c, k, v, i)) {
+            v = c;
+            i = k;
+        }
+    }
+    best_value[lid] = v;
+    best_index[lid] = i;
+    workgroupBarrier();
+    for (var stride = 32u; stride > 0u; stride >>= 1u) {
+        if (lid < stride && better(best_value[lid + stride], best_index[lid + stride], best_value[lid], best_index[lid])) {
+            best_value[lid] = best_value[lid + stride];
+            best_index[lid] = best_index[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        ids[wid.x] = select(best_index[0], 0u, best_index[0] == 0xffffffffu);
+    }
+}

@@ -1,0 +1,366 @@
+"""The Vulkan backend's WGSL kernels against numpy / gguf / transformers references, on any Vulkan adapter
+(CI uses Mesa's lavapipe, installed by plugins/backend_vulkan/setup_lavapipe.sh)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+try:
+    import poot_backend_vulkan.kernels  # noqa: F401
+except ImportError:  # the distribution is not installed yet: use the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backend_vulkan"))
+
+from gguf import GGMLQuantizationType, quants
+from poot_backend_vulkan.kernels.attention import attention_decode, attention_prefill
+from poot_backend_vulkan.kernels.elementwise import add, argmax, gated_activation
+from poot_backend_vulkan.kernels.linear import embed, linear
+from poot_backend_vulkan.kernels.norms import layer_norm, rms_norm
+from poot_backend_vulkan.kernels.positional import kv_write, rope, rope_inv_freq
+from poot_backend_vulkan.kernels.runtime import Runtime, vulkan_adapters
+from poot_backend_vulkan.kernels.weights import upload_weight
+
+from poot_core.errors import CapacityError, Unsupported
+
+F32, HALF, QUANT = 1e-5, 1e-3, 1e-4
+SMALL_BINDING = 4096  # a lowered storage binding limit that forces row-chunking
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    if not vulkan_adapters():
+        pytest.skip("no Vulkan adapter on this machine (install mesa-vulkan-drivers for lavapipe)")
+    return Runtime()
+
+
+@pytest.fixture(scope="module")
+def small_rt(rt: Runtime) -> Runtime:
+    return Runtime(adapter=rt.adapter, max_binding_bytes=SMALL_BINDING)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    want = np.asarray(want, dtype=np.float64)
+    return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def run(runtime: Runtime, record) -> None:
+    batch = runtime.batch()
+    record(batch)
+    batch.submit()
+
+
+# -- weights in every stored format, with their dequantized references ---------------------------------
+
+
+def make_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(stored data as upload_weight takes it, f32 values it stands for)."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if fmt == "f32":
+        return w, w
+    if fmt == "f16":
+        data = w.astype(np.float16)
+        return data, data.astype(np.float32)
+    if fmt == "bf16":
+        data = (w.view(np.uint32) >> 16).astype(np.uint16)
+        return data, (data.astype(np.uint32) << 16).view(np.float32)
+    qtype = GGMLQuantizationType[fmt]
+    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        data = quants.quantize(w, qtype)
+    else:  # gguf's Python side cannot quantize K-quants: random blocks with sane f16 scales
+        block_values, block_bytes = quants.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+        for at in {"Q4_K": (0, 2), "Q6_K": (208,)}[fmt]:
+            scales = rng.uniform(0.001, 0.05, blocks.shape[:2]).astype(np.float16)
+            blocks[:, :, at : at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        data = blocks.reshape(rows, -1)
+    return data, quants.dequantize(data, qtype).astype(np.float32)
+
+
+BOUNDS = {"f32": F32, "f16": HALF, "bf16": HALF, "Q4_0": QUANT, "Q4_1": QUANT, "Q8_0": QUANT}
+BOUNDS |= {"Q4_K": QUANT, "Q6_K": QUANT}
+
+
+@pytest.mark.parametrize("fmt", list(BOUNDS))
+def test_linear_matches_dequantized_matmul(rt: Runtime, fmt: str) -> None:
+    rng = np.random.default_rng(1)
+    rows, cols = 24, 512
+    data, dense = make_weight(fmt, rows, cols, rng)
+    weight = upload_weight(rt, data, fmt, (rows, cols))
+    for tokens in (1, 6):  # matrix-vector and matrix-matrix (not a multiple of the 4-token group)
+        x = rng.standard_normal((tokens, cols)).astype(np.float32)
+        out = rt.empty((tokens, rows))
+        run(rt, lambda b, x=x, out=out: linear(b, rt.upload(x), weight, out))
+        assert rel_err(rt.read(out), x.astype(np.float64) @ dense.T.astype(np.float64)) < BOUNDS[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["f16", "Q8_0", "Q6_K"])
+def test_linear_splits_a_matrix_larger_than_one_binding(small_rt: Runtime, fmt: str) -> None:
+    rng = np.random.default_rng(2)
+    rows, cols = 70, 256
+    data, dense = make_weight(fmt, rows, cols, rng)
+    assert data.nbytes > SMALL_BINDING
+    weight = upload_weight(small_rt, data, fmt, (rows, cols))
+    assert len(weight.chunks) > 1
+    assert all(c.buffer.size <= SMALL_BINDING for c in weight.chunks)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    out = small_rt.empty((3, rows))
+    run(small_rt, lambda b: linear(b, small_rt.upload(x), weight, out))
+    assert rel_err(small_rt.read(out), x.astype(np.float64) @ dense.T.astype(np.float64)) < BOUNDS[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "Q8_0", "Q4_K"])
+def test_embed_gathers_rows_across_chunks(small_rt: Runtime, fmt: str) -> None:
+    rng = np.random.default_rng(3)
+    rows, cols = 40, 256
+    data, dense = make_weight(fmt, rows, cols, rng)
+    table = upload_weight(small_rt, data, fmt, (rows, cols))
+    assert len(table.chunks) > 1
+    ids = np.array([0, 39, 17, 17, 5, 31], dtype=np.uint32)
+    out = small_rt.empty((len(ids), cols))
+    run(small_rt, lambda b: embed(b, table, small_rt.upload(ids, "u32"), out))
+    np.testing.assert_array_equal(small_rt.read(out), dense[ids])
+
+
+def test_weight_upload_refuses_bad_input(rt: Runtime, small_rt: Runtime) -> None:
+    with pytest.raises(Unsupported):
+        upload_weight(rt, np.zeros((4, 10), np.uint8), "Q5_K", (4, 256))
+    with pytest.raises(Unsupported):  # wrong byte count for the shape
+        upload_weight(rt, np.zeros((4, 30), np.uint8), "Q8_0", (4, 32))
+    with pytest.raises(CapacityError):  # one row larger than the binding limit
+        upload_weight(small_rt, np.zeros((2, 2048), np.float32), "f32", (2, 2048))
+
+
+# -- norms ----------------------------------------------------------------------------------------------
+
+
+def rms_reference(h: np.ndarray, w: np.ndarray, eps: float, offset: float) -> np.ndarray:
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * (w + offset)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_plain_and_with_fused_residual(rt: Runtime, offset: float) -> None:
+    rng = np.random.default_rng(4)
+    rows, cols = 5, 200
+    x, res = rng.standard_normal((2, rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    dx, dres, dw = rt.upload(x), rt.upload(res), rt.upload(w)
+    out, fused_out, h_out = rt.empty((rows, cols)), rt.empty((rows, cols)), rt.empty((rows, cols))
+
+    def record(b):
+        rms_norm(b, dx, dw, out, eps=1e-6, weight_offset=offset)
+        rms_norm(b, dx, dw, fused_out, eps=1e-6, weight_offset=offset, residual=dres, residual_out=h_out)
+
+    run(rt, record)
+    assert rel_err(rt.read(out), rms_reference(x, w, 1e-6, offset)) < F32
+    assert rel_err(rt.read(fused_out), rms_reference(x + res, w, 1e-6, offset)) < F32
+    np.testing.assert_array_equal(rt.read(h_out), x + res)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_norm(rt: Runtime, with_bias: bool) -> None:
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 130)) * 3 + 2).astype(np.float32)
+    w, bias = rng.standard_normal((2, 130)).astype(np.float32)
+    out = rt.empty(x.shape)
+    dbias = rt.upload(bias) if with_bias else None
+    run(rt, lambda b: layer_norm(b, rt.upload(x), rt.upload(w), out, eps=1e-5, bias=dbias))
+    h = x.astype(np.float64)
+    want = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5) * w
+    assert rel_err(rt.read(out), want + (bias if with_bias else 0)) < F32
+
+
+# -- rotary embedding and KV cache ---------------------------------------------------------------------
+
+
+def test_llama3_inverse_frequencies_match_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = rope_inv_freq(64, 500000.0, scaling)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    assert not np.allclose(got, rope_inv_freq(64, 500000.0))  # the table really is scaled
+
+
+@pytest.mark.parametrize("rot_dim", [32, 16])  # full and partial rotary
+def test_rope_rotates_half_at_each_position(rt: Runtime, rot_dim: int) -> None:
+    rng = np.random.default_rng(6)
+    tokens, heads, head_dim = 4, 3, 32
+    x = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32)
+    positions = np.array([0, 7, 8, 41], dtype=np.uint32)
+    inv = rope_inv_freq(
+        rot_dim,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    dx = rt.upload(x)
+    run(
+        rt, lambda b: rope(b, dx, rt.upload(positions, "u32"), rt.upload(inv), heads=heads, head_dim=head_dim)
+    )
+    angle = (positions[:, None].astype(np.float32) * inv[None, :]).astype(np.float64)[:, None, :]
+    half = rot_dim // 2
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:rot_dim].astype(np.float64)
+    want = x.astype(np.float64).copy()
+    want[..., :half] = x1 * np.cos(angle) - x2 * np.sin(angle)
+    want[..., half:rot_dim] = x2 * np.cos(angle) + x1 * np.sin(angle)
+    assert rel_err(rt.read(dx), want) < F32
+
+
+def test_kv_write_places_rows_and_refuses_overflow(rt: Runtime) -> None:
+    rng = np.random.default_rng(7)
+    cache_host = rng.standard_normal((10, 2, 8)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    cache = rt.upload(cache_host)
+    run(rt, lambda b: kv_write(b, rt.upload(new), cache, 6))
+    cache_host[6:9] = new
+    np.testing.assert_array_equal(rt.read(cache), cache_host)
+    with pytest.raises(CapacityError):
+        kv_write(rt.batch(), rt.upload(new), cache, 8)
+
+
+# -- attention -----------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, start, scale, window, softcap) -> np.ndarray:
+    tokens, heads, dim = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros(q.shape)
+    for t in range(tokens):
+        pos = start + t
+        lo = max(0, pos + 1 - window) if window else 0
+        for h in range(heads):
+            s = k[lo : pos + 1, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ v[lo : pos + 1, h // group] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 20.0), (70, 5.0)])
+def test_prefill_attention_causal_gqa(rt: Runtime, window: int, softcap: float) -> None:
+    rng = np.random.default_rng(8)
+    capacity, heads, kv_heads, dim = 96, 4, 2, 32
+    start, tokens = 11, 70  # a second prefill chunk: positions 11..80, more keys than one 64-key tile
+    k, v = rng.standard_normal((2, capacity, kv_heads, dim)).astype(np.float32)
+    q = (rng.standard_normal((tokens, heads, dim)) * 2).astype(np.float32)
+    out = rt.empty(q.shape)
+    scale = dim**-0.5
+    dq, dk, dv = rt.upload(q), rt.upload(k), rt.upload(v)
+    run(
+        rt,
+        lambda b: attention_prefill(
+            b, dq, dk, dv, out, start=start, scale=scale, window=window, softcap=softcap
+        ),
+    )
+    assert rel_err(rt.read(out), attention_reference(q, k, v, start, scale, window, softcap)) < F32
+
+
+@pytest.mark.parametrize(("window", "softcap", "split_len"), [(0, 0.0, 16), (20, 0.0, 16), (0, 30.0, 256)])
+def test_decode_attention_split_k(rt: Runtime, window: int, softcap: float, split_len: int) -> None:
+    rng = np.random.default_rng(9)
+    capacity, heads, kv_heads, dim, position = 80, 8, 2, 64, 57
+    k, v = rng.standard_normal((2, capacity, kv_heads, dim)).astype(np.float32)
+    q = (rng.standard_normal((1, heads, dim)) * 2).astype(np.float32)
+    out = rt.empty(q.shape)
+    dq, dk, dv = rt.upload(q), rt.upload(k), rt.upload(v)
+    run(
+        rt,
+        lambda b: attention_decode(
+            b,
+            dq,
+            dk,
+            dv,
+            out,
+            position=position,
+            scale=0.125,
+            window=window,
+            softcap=softcap,
+            split_len=split_len,
+        ),
+    )
+    assert rel_err(rt.read(out), attention_reference(q, k, v, position, 0.125, window, softcap)) < F32
+
+
+# -- activations, add, argmax, and a whole decode step in one submit -------------------------------------
+
+
+def test_gated_activations_and_add(rt: Runtime) -> None:
+    import torch
+
+    rng = np.random.default_rng(10)
+    gate, up = (rng.standard_normal((2, 3, 300)) * 4).astype(np.float32)
+    dg, du = rt.upload(gate), rt.upload(up)
+    silu_out, gelu_out, sum_out = rt.empty(gate.shape), rt.empty(gate.shape), rt.empty(gate.shape)
+
+    def record(b):
+        gated_activation(b, dg, du, silu_out, "silu")
+        gated_activation(b, dg, du, gelu_out, "gelu_tanh")
+        add(b, dg, du, sum_out)
+
+    run(rt, record)
+    tg, tu = torch.from_numpy(gate).double(), torch.from_numpy(up).double()
+    assert rel_err(rt.read(silu_out), (torch.nn.functional.silu(tg) * tu).numpy()) < F32
+    want_gelu = torch.nn.functional.gelu(tg, approximate="tanh") * tu
+    assert rel_err(rt.read(gelu_out), want_gelu.numpy()) < F32
+    np.testing.assert_array_equal(rt.read(sum_out), gate + up)
+    with pytest.raises(Unsupported):
+        gated_activation(rt.batch(), dg, du, silu_out, "relu2")
+
+
+def test_argmax_takes_first_of_ties(rt: Runtime) -> None:
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+    logits[1, [123, 800]] = 50.0  # a tie: the lower index wins, as in numpy
+    logits[2, 999] = 60.0
+    ids = rt.empty(3, "u32")
+    run(rt, lambda b: argmax(b, rt.upload(logits), ids))
+    np.testing.assert_array_equal(rt.read(ids), logits.argmax(-1))
+
+
+def test_decode_step_is_one_submit(rt: Runtime) -> None:
+    """embed -> rms_norm -> linear head -> argmax recorded in one encoder; only the id is read back."""
+    rng = np.random.default_rng(12)
+    vocab, hidden = 300, 64
+    table_data, table = make_weight("Q8_0", vocab, hidden, rng)
+    head_data, head = make_weight("f16", vocab, hidden, rng)
+    norm_w = rng.standard_normal(hidden).astype(np.float32)
+    d_table, d_head = (
+        upload_weight(rt, table_data, "Q8_0", (vocab, hidden)),
+        upload_weight(rt, head_data, "f16", (vocab, hidden)),
+    )
+    token = rt.upload(np.array([42], np.uint32), "u32")
+    x, normed, logits, next_id = (
+        rt.empty((1, hidden)),
+        rt.empty((1, hidden)),
+        rt.empty((1, vocab)),
+        rt.empty(1, "u32"),
+    )
+    batch = rt.batch()
+    embed(batch, d_table, token, x)
+    rms_norm(batch, x, rt.upload(norm_w), normed, eps=1e-5)
+    linear(batch, normed, d_head, logits)
+    argmax(batch, logits, next_id)
+    batch.submit()
+    assert batch.dispatches == 4
+    want_logits = rms_reference(table[[42]], norm_w, 1e-5, 0.0) @ head.T.astype(np.float64)
+    assert rel_err(rt.read(logits), want_logits) < HALF
+    assert int(rt.read(next_id)[0]) == int(want_logits.argmax())
