@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import tiny  # noqa: E402
+
+_BUILT: dict[tuple[str, str], Path] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """tiny_checkpoint(arch, dtype) -> path of a saved random checkpoint (built once per session)."""
+
+    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
+        key = (arch, str(dtype))
+        if key not in _BUILT:
+            path = tmp_path_factory.mktemp(f"{arch}-{str(dtype).removeprefix('torch.')}")
+            _BUILT[key] = tiny.build(path, arch, dtype)
+        return _BUILT[key]
+
+    return make

@@ -1,0 +1,60 @@
+"""The llama family against transformers' float32 forward on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import tiny
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+# Longer than prefill_chunk (16) and than the sliding windows (8) of mistral and gemma3.
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(tiny_checkpoint, arch, dtype, bound):
+    path = tiny_checkpoint(arch, dtype)
+    handle = ModelHandle.load(path)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
+    ours = driver.logits(PROMPT)
+    ref = tiny.reference_logits(path, PROMPT)
+    assert ours.shape == tuple(ref.shape)
+    assert tiny.rel_error(ours, ref) <= bound
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch, torch.float32)
+    handle = ModelHandle.load(path)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16)).serve()
+    result = driver.generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, min_new_tokens=12)
+    assert result.tokens == out[0, 20:].tolist()
+
+
+def test_weights_stay_bf16(tiny_checkpoint):
+    """A bf16 checkpoint stays bf16 in the store and on the CPU executor: no float32 copy of a weight."""
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.bfloat16))
+    store = handle.store()
+    weights = open_executor("cpu").upload(store)
+    matrices = [n for n in store.names() if store.get(n).dim() == 2]
+    assert matrices
+    for name in store.names():
+        assert store.get(name).dtype == torch.bfloat16, name
+        assert weights[name].dtype == torch.bfloat16, name
+        assert weights[name].data_ptr() == store.get(name).data_ptr(), name
+
+
+def test_rope_style_matters(tiny_checkpoint):
+    """The comparison above can fail: the wrong rope layout gives clearly different logits."""
+    path = tiny_checkpoint("llama", torch.float32)
+    handle = ModelHandle.load(path)
+    handle.config().params.rope_style = "interleaved"
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16))
+    assert tiny.rel_error(driver.logits(PROMPT), tiny.reference_logits(path, PROMPT)) > 1e-2
