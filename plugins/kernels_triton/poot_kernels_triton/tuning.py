@@ -1,0 +1,193 @@
+"""Tile sizes and launch settings per vendor and architecture.
+
+One `Tuning` per target. NVIDIA warps are 32 lanes; AMD CDNA wavefronts (gfx90a, gfx942) are 64 lanes and
+have less LDS per CU than Hopper has shared memory, so their attention and GEMM tiles are smaller and use
+fewer warps. RDNA (gfx1100) runs wave32. The interpreter entry keeps tiles tiny and upcasts every tl.dot
+operand to float32 (the interpreter mis-computes bf16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from poot_core.errors import Reason, Unsupported
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Launch settings of one kernel: block sizes (0 when unused), warps, pipeline stages, backend options."""
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every kernel's tile for one target. `upcast_dot` widens tl.dot operands to float32."""
+
+    name: str
+    backend: str  # "cuda", "hip" or "interpreter"
+    warp_size: int
+    upcast_dot: bool
+    row_warps: int  # most warps a one-row kernel (norm, rope, activation, sampling) uses
+    prefill: Tile
+    decode: Tile
+    gemv: Tile
+    gemm: Tile
+    qgemv: Tile
+    qgemm: Tile
+    decode_programs: int  # how many programs flash-decoding aims to keep busy
+
+
+_HOPPER = Tuning(
+    name="cuda.sm90",
+    backend="cuda",
+    warp_size=32,
+    upcast_dot=False,
+    row_warps=8,
+    prefill=Tile(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    decode=Tile(block_m=16, block_n=64, num_warps=4, num_stages=2),
+    gemv=Tile(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    gemm=Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+    qgemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=2),
+    qgemm=Tile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3),
+    decode_programs=264,  # two waves over the H100/H200's 132 SMs
+)
+
+_AMPERE = Tuning(
+    name="cuda.sm80",
+    backend="cuda",
+    warp_size=32,
+    upcast_dot=False,
+    row_warps=8,
+    prefill=Tile(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    decode=Tile(block_m=16, block_n=64, num_warps=4, num_stages=2),
+    gemv=Tile(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    gemm=Tile(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=3),
+    qgemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=2),
+    qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
+    decode_programs=216,
+)
+
+# CDNA: 64-lane wavefronts, 64 KiB LDS per CU; the stream-pipeliner wants num_stages 2 at most here.
+_CDNA3 = Tuning(
+    name="hip.gfx942",
+    backend="hip",
+    warp_size=64,
+    upcast_dot=False,
+    row_warps=4,
+    prefill=Tile(block_m=64, block_n=32, num_warps=4, num_stages=1, extra={"waves_per_eu": 2}),
+    decode=Tile(block_m=16, block_n=32, num_warps=4, num_stages=1),
+    gemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=1),
+    gemm=Tile(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=2, extra={"waves_per_eu": 0}),
+    qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
+    qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    decode_programs=608,  # two waves over the MI300X's 304 CUs
+)
+
+_CDNA2 = Tuning(
+    name="hip.gfx90a",
+    backend="hip",
+    warp_size=64,
+    upcast_dot=False,
+    row_warps=4,
+    prefill=Tile(block_m=64, block_n=32, num_warps=4, num_stages=1),
+    decode=Tile(block_m=16, block_n=32, num_warps=4, num_stages=1),
+    gemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=1),
+    gemm=Tile(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=1),
+    qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
+    qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    decode_programs=220,  # MI250X GCD: 110 CUs
+)
+
+# RDNA3: wave32, WMMA, 64 KiB LDS per workgroup processor.
+_RDNA3 = Tuning(
+    name="hip.gfx1100",
+    backend="hip",
+    warp_size=32,
+    upcast_dot=False,
+    row_warps=8,
+    prefill=Tile(block_m=64, block_n=32, num_warps=4, num_stages=1),
+    decode=Tile(block_m=16, block_n=32, num_warps=4, num_stages=1),
+    gemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=1),
+    gemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
+    qgemm=Tile(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    decode_programs=192,
+)
+
+INTERPRETER = Tuning(
+    name="interpreter",
+    backend="interpreter",
+    warp_size=32,
+    upcast_dot=True,
+    row_warps=1,
+    prefill=Tile(block_m=16, block_n=16, num_warps=1, num_stages=1),
+    decode=Tile(block_m=16, block_n=16, num_warps=1, num_stages=1),
+    gemv=Tile(block_n=16, block_k=64, num_warps=1, num_stages=1),
+    gemm=Tile(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1),
+    qgemv=Tile(block_n=8, block_k=256, num_warps=1, num_stages=1),
+    qgemm=Tile(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1),
+    decode_programs=4,
+)
+
+TUNINGS: dict[str, Tuning] = {t.name: t for t in (_HOPPER, _AMPERE, _CDNA3, _CDNA2, _RDNA3, INTERPRETER)}
+
+_override: contextvars.ContextVar[Tuning | None] = contextvars.ContextVar("poot_triton_tuning", default=None)
+
+
+def tuning_for_target(backend: str, arch: int | str) -> Tuning:
+    """The tuning of a compile target, e.g. ("cuda", 90) or ("hip", "gfx942"); nearest family for others."""
+    if backend == "cuda":
+        return _HOPPER if int(arch) >= 90 else _AMPERE
+    if backend == "hip":
+        name = str(arch).split(":")[0]
+        if name in ("gfx940", "gfx941", "gfx942", "gfx950"):
+            return _CDNA3
+        if name.startswith("gfx9"):
+            return _CDNA2
+        if name.startswith(("gfx11", "gfx12")):
+            return _RDNA3
+        return _CDNA2
+    raise Unsupported(Reason.BACKEND, backend, "Triton kernels are tuned for the cuda and hip backends")
+
+
+def tuning_for_device(device: torch.device) -> Tuning:
+    """The tuning for tensors on `device`: a cuda device maps by its architecture, a cpu one to the interpreter."""
+    forced = _override.get()
+    if forced is not None:
+        return forced
+    if device.type == "cpu":
+        return INTERPRETER
+    if device.type != "cuda":
+        raise Unsupported(Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter")
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip:
+        return tuning_for_target("hip", props.gcnArchName)
+    return tuning_for_target("cuda", props.major * 10 + props.minor)
+
+
+@contextlib.contextmanager
+def use_tuning(tuning: Tuning) -> Iterator[None]:
+    """Force one tuning whatever the tensors' device (used to record launches for ahead-of-time builds)."""
+    token = _override.set(tuning)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def row_warps(block: int, tuning: Tuning) -> int:
+    """Warps for a kernel that reduces one row of `block` elements: about 4 elements per lane, capped."""
+    warps = max(1, block // (tuning.warp_size * 4))
+    warps = 1 << (warps.bit_length() - 1)
+    return min(warps, tuning.row_warps)
