@@ -1,0 +1,123 @@
+"""The Driver's contract: sampling semantics, stops, streaming, capacity, prefix reuse, callbacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from poot_core import (
+    CapacityError,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    GenerationControl,
+    ModelHandle,
+    RequestError,
+    Sampler,
+    open_executor,
+)
+from poot_core.driver.stops import StopMatcher
+
+PROMPT = [(5 * i + 11) % 240 + 3 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def driver(tiny_checkpoint):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    return Driver(handle, open_executor("cpu"), DriverOptions(capacity=96, prefill_chunk=8)).serve()
+
+
+def test_seeded_sampling_repeats(driver):
+    def run(seed):
+        s = Sampler(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=seed)
+        return driver.generate(GenerateRequest(PROMPT, max_new=12, sampler=s, ignore_eos=True)).tokens
+
+    assert run(7) == run(7)
+    assert run(7) != run(8) or run(7) != run(9)
+
+
+def test_greedy_equals_argmax_of_logits(driver):
+    tokens = driver.generate(GenerateRequest(PROMPT, max_new=6, ignore_eos=True)).tokens
+    seq = list(PROMPT)
+    for t in tokens:
+        assert t == int(np.argmax(driver.logits(seq)[-1]))
+        seq.append(t)
+
+
+def test_prefix_reuse_prefills_only_new_tokens(driver):
+    first = driver.generate(GenerateRequest(PROMPT, max_new=4, ignore_eos=True))
+    follow = PROMPT + first.tokens[:-1] + [17, 18, 19]
+    again = driver.generate(GenerateRequest(follow, max_new=4, ignore_eos=True))
+    assert again.timings.reused_tokens == len(PROMPT) + len(first.tokens) - 1
+    assert again.timings.prefill_tokens == 3
+    fresh = Driver(driver.handle, driver.executor, DriverOptions(capacity=96, prefill_chunk=8)).serve()
+    assert fresh.generate(GenerateRequest(follow, max_new=4, ignore_eos=True)).tokens == again.tokens
+
+
+def test_capacity_refused_up_front(driver):
+    with pytest.raises(CapacityError):
+        driver.generate(GenerateRequest(PROMPT, max_new=96 - len(PROMPT) + 1))
+    with pytest.raises(RequestError):
+        driver.generate(GenerateRequest([], max_new=1))
+    with pytest.raises(RequestError):
+        driver.generate(GenerateRequest([10**6], max_new=1))
+
+
+def test_callback_break_stops_after_that_token(driver):
+    seen = []
+
+    def on_token(token, piece):
+        seen.append(token)
+        return GenerationControl.BREAK if len(seen) == 3 else GenerationControl.CONTINUE
+
+    result = driver.generate(GenerateRequest(PROMPT, max_new=10, ignore_eos=True), on_token)
+    assert result.stop_reason == "callback" and len(result.tokens) == 3
+
+
+def test_streamed_pieces_equal_text_and_never_split_utf8(driver):
+    text = driver.handle.text()
+    pieces = []
+    result = driver.generate(GenerateRequest(PROMPT, max_new=24, ignore_eos=True),
+                             lambda t, p: pieces.append(p))
+    assert "".join(pieces) == result.text == text.decode(result.tokens)
+    # Byte-level tokens of one multi-byte character arrive one by one: no piece may hold half of it.
+    ids = text.encode("東京🙂", add_special=False)
+    stream = text.stream()
+    out = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(out) == "東京🙂"
+    assert all("\ufffd" not in p for p in out)
+
+
+def test_stop_strings_never_leak_partially():
+    m = StopMatcher(["STOP", "END!"])
+    out = []
+    for piece in ["hello S", "T", "O", "x and E", "N", "D!", "tail"]:
+        emit, hit = m.push(piece)
+        out.append(emit)
+        if hit:
+            break
+    assert "".join(out) == "hello STOx and "
+    assert hit
+
+
+def test_stop_string_in_generation(driver):
+    base = driver.generate(GenerateRequest(PROMPT, max_new=16, ignore_eos=True))
+    assert len(base.text) > 4
+    stop = base.text[2:4]
+    cut = driver.generate(GenerateRequest(PROMPT, max_new=16, stops=[stop], ignore_eos=True))
+    assert cut.stop_reason == "stop"
+    assert cut.text == base.text[: base.text.index(stop)]
+
+
+def test_repeat_penalty_follows_llama_cpp():
+    s = Sampler(temperature=0.0, repeat_penalty=2.0)
+    logits = np.array([4.0, 3.0, -1.0, -0.5])
+    # token 0 (positive) is divided, token 3 (negative) multiplied: 2.0, 3.0, -1.0, -1.0 -> argmax 1
+    assert s.sample(logits, [0, 3]) == 1
+
+
+def test_sampler_rejects_bad_settings():
+    for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"min_p": 2.0}, {"top_k": -1}, {"repeat_penalty": 0}):
+        with pytest.raises(RequestError):
+            Sampler(**kwargs)
