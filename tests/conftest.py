@@ -15,6 +15,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import tiny  # noqa: E402
 
+torch.set_num_threads(1)  # test workers run side by side (pytest -n 2): one thread each avoids oversubscription
+
 _BUILT: dict[tuple[str, str], Path] = {}
 
 

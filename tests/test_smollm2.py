@@ -1,0 +1,48 @@
+"""The real SmolLM2-135M-Instruct: poot's greedy tokens equal transformers' on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import smollm
+import tiny
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
+
+
+@pytest.fixture(scope="module")
+def hf_f32():
+    return smollm.safetensors_copy(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_f32):
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_f32, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", smollm.PROMPTS)
+def test_greedy_32_tokens_match_transformers(hf_f32, reference, prompt):
+    handle = ModelHandle.load(hf_f32)
+    ids = handle.text().encode(prompt)
+    assert ids == transformers.AutoTokenizer.from_pretrained(hf_f32)(prompt)["input_ids"]
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=64)).serve()
+    ours = driver.generate(GenerateRequest(ids, max_new=32, ignore_eos=True)).tokens
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+@pytest.mark.slow
+def test_bf16_copy_logits_within_bound(reference):
+    path = smollm.safetensors_copy(torch.bfloat16)
+    handle = ModelHandle.load(path)
+    ids = handle.text().encode(" ".join(smollm.PROMPTS) * 3)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=256, prefill_chunk=32))
+    ours = driver.logits(ids)
+    ref = tiny.reference_logits(path, ids)  # the bf16 weights, run by transformers in float32
+    assert tiny.rel_error(ours, ref) <= 2e-2
+    assert np.isfinite(ours).all()
