@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 import poot_kernels_triton as ktr  # noqa: E402
+
 from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402
 from poot_core.errors import RequestError, Unsupported  # noqa: E402
 
@@ -178,7 +179,13 @@ def attention_reference(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "start,window,softcap,causal",
-    [(0, None, None, True), (9, None, None, True), (9, 7, None, True), (5, None, 20.0, True), (0, None, None, False)],
+    [
+        (0, None, None, True),
+        (9, None, None, True),
+        (9, 7, None, True),
+        (5, None, 20.0, True),
+        (0, None, None, False),
+    ],
 )
 def test_prefill_attention(
     dtype: torch.dtype, start: int, window: int | None, softcap: float | None, causal: bool
@@ -189,15 +196,26 @@ def test_prefill_attention(
     vc = torch.randn(kv_heads, cap, dim).to(dtype)
     out = ktr.prefill_attention(q, kc, vc, start, causal=causal, window=window, softcap=softcap)
     ref = attention_reference(
-        q, kc, vc, torch.arange(start, start + tokens), start + tokens, causal=causal, window=window, softcap=softcap
+        q,
+        kc,
+        vc,
+        torch.arange(start, start + tokens),
+        start + tokens,
+        causal=causal,
+        window=window,
+        softcap=softcap,
     )
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_err(out, ref) < BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window,softcap,splits", [(None, None, None), (None, None, 1), (6, 30.0, None), (20, None, 3)])
-def test_decode_attention(dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None) -> None:
+@pytest.mark.parametrize(
+    "window,softcap,splits", [(None, None, None), (None, None, 1), (6, 30.0, None), (20, None, 3)]
+)
+def test_decode_attention(
+    dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None
+) -> None:
     batch, q_heads, kv_heads, dim, cap = 3, 8, 2, 32, 50
     q = torch.randn(batch, q_heads, dim).to(dtype)
     kc = torch.randn(batch, kv_heads, cap, dim).to(dtype)
@@ -206,7 +224,9 @@ def test_decode_attention(dtype: torch.dtype, window: int | None, softcap: float
     out = ktr.decode_attention(q, kc, vc, lens, window=window, softcap=softcap, num_splits=splits)
     for b in range(batch):
         n = int(lens[b])
-        ref = attention_reference(q[b : b + 1], kc[b], vc[b], torch.tensor([n - 1]), n, window=window, softcap=softcap)
+        ref = attention_reference(
+            q[b : b + 1], kc[b], vc[b], torch.tensor([n - 1]), n, window=window, softcap=softcap
+        )
         assert rel_err(out[b : b + 1], ref) < BOUND[dtype], f"row {b}"
 
 
@@ -321,7 +341,9 @@ def test_gptq_linear(m: int, act_order: bool) -> None:
     out = ktr.linear(x, weight)
     assert rel_err(out, x.double() @ w_ref) < BOUND[torch.float16]
     out_v2 = ktr.gptq_linear(x, qweight, qzeros, scales, g_idx, zero_offset=0)
-    assert rel_err(out_v2, x.double() @ gptq_reference(qweight, qzeros, scales, g_idx, 0)) < BOUND[torch.float16]
+    assert (
+        rel_err(out_v2, x.double() @ gptq_reference(qweight, qzeros, scales, g_idx, 0)) < BOUND[torch.float16]
+    )
 
 
 # ---------------------------------------------------------------- sampling

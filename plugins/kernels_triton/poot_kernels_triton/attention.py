@@ -127,7 +127,9 @@ def _check_attention_options(causal: bool, window: int | None, softcap: float | 
     if window is not None:
         require(window > 0, f"sliding window must be positive, got {window}")
         if not causal:
-            raise Unsupported(Reason.OPERATION, "attention:bidirectional+sliding_window", "window needs causal")
+            raise Unsupported(
+                Reason.OPERATION, "attention:bidirectional+sliding_window", "window needs causal"
+            )
     if softcap is not None:
         require(softcap > 0, f"soft-cap must be positive, got {softcap}")
 
@@ -152,7 +154,7 @@ def prefill_attention(
     (kv_len defaults to start + tokens). causal: key j is visible to the query at position i when j <= i;
     window: also when i - j < window (sliding window, causal only); softcap: scores become
     softcap * tanh(scores / softcap) after scaling; scale defaults to 1/sqrt(head_dim).
-    Dtypes float32/float16/bfloat16; accumulation in float32. Returns [tokens, q_heads, head_dim] in q's dtype.
+    Dtypes float32/float16/bfloat16; float32 accumulation. Returns [tokens, q_heads, head_dim] in q's dtype.
     """
     check_dims("q", q, 3)
     check_dims("k_cache", k_cache, 3)
@@ -167,7 +169,10 @@ def prefill_attention(
     require(k_cache.shape[2] == head_dim, f"cache head size {k_cache.shape[2]} != q head size {head_dim}")
     require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
     kv_len = start + tokens if kv_len is None else kv_len
-    require(0 <= start and start + tokens <= kv_len <= capacity, f"kv_len {kv_len} outside [start+tokens, capacity]")
+    require(
+        0 <= start and start + tokens <= kv_len <= capacity,
+        f"kv_len {kv_len} outside [start+tokens, capacity]",
+    )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         require(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")
     out = torch.empty_like(q)

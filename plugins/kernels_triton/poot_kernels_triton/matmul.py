@@ -134,7 +134,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )
     if m <= GEMV_MAX_ROWS:
         tile = tuning.gemv
-        launch(_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
+        launch(
+            _gemv_kernel,
+            (cdiv(n, tile.block_n), m),
+            tile,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            **common,
+        )
     else:
         tile = tuning.gemm
         launch(

@@ -183,7 +183,9 @@ def gguf_linear(
     the ggml block layouts. bias: [n] or None. Returns [m, n] in x's dtype, float32 accumulation.
     """
     if gguf_type not in GGUF_TYPES:
-        raise Unsupported(Reason.QUANTIZATION, f"gguf.{gguf_type}", f"Triton kernels know {sorted(GGUF_TYPES)}")
+        raise Unsupported(
+            Reason.QUANTIZATION, f"gguf.{gguf_type}", f"Triton kernels know {sorted(GGUF_TYPES)}"
+        )
     code, elems, nbytes = GGUF_TYPES[gguf_type]
     check_dims("x", x, 2)
     check_dims("blocks", blocks, 2)
@@ -193,7 +195,9 @@ def gguf_linear(
     m, k = x.shape
     n = blocks.shape[0]
     require(k % elems == 0, f"{gguf_type} needs k divisible by {elems}, got {k}")
-    require(blocks.shape[1] == k // elems * nbytes, f"{gguf_type} row of {k} needs {k // elems * nbytes} bytes")
+    require(
+        blocks.shape[1] == k // elems * nbytes, f"{gguf_type} row of {k} needs {k // elems * nbytes} bytes"
+    )
     check_same_device(x, blocks, *([bias] if bias is not None else []))
     if bias is not None:
         require(bias.shape == (n,), f"bias must be [{n}]")
@@ -236,7 +240,9 @@ def gguf_linear(
 
 
 @triton.jit
-def _dequant_gptq(qw_ptr, qz_ptr, s_ptr, g_ptr, kk, nn, mask, qw_stride, qz_stride, s_stride, ZERO_OFFSET: tl.constexpr):
+def _dequant_gptq(
+    qw_ptr, qz_ptr, s_ptr, g_ptr, kk, nn, mask, qw_stride, qz_stride, s_stride, ZERO_OFFSET: tl.constexpr
+):
     """Elements W[kk, nn] (broadcast shapes) of a 4-bit GPTQ matrix, float32."""
     packed = tl.load(qw_ptr + (kk // 8).to(tl.int64) * qw_stride + nn, mask=mask, other=0)
     q = (packed >> ((kk % 8) * 4)) & 0xF
@@ -399,7 +405,9 @@ def gptq_linear(
     )
     if m <= GEMV_MAX_ROWS:
         tile = tuning.qgemv
-        launch(_gptq_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=64, **common)
+        launch(
+            _gptq_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=64, **common
+        )
     else:
         tile = tuning.qgemm
         launch(
@@ -416,7 +424,9 @@ def gptq_linear(
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [m, k] @ W^T for any weight this package computes with: dense [n, k], PackedWeight gguf or gptq.4."""
     if isinstance(weight, torch.Tensor):
         return dense_linear(x, weight, bias)

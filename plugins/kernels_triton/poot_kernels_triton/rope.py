@@ -65,7 +65,9 @@ def rope_cos_sin(
     return (angles.cos() * attention_scaling).contiguous(), (angles.sin() * attention_scaling).contiguous()
 
 
-def _rope_one(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _rope_one(
+    x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     tokens, heads, head_dim = x.shape
     half = cos.shape[1]
     copy_rest = out.data_ptr() != x.data_ptr() and 2 * half < head_dim
@@ -194,7 +196,9 @@ def write_kv(
     tokens, kv_heads, head_dim = k.shape
     require(v.shape == k.shape, "k and v shapes differ")
     require(k_cache.shape == v_cache.shape, "k and v caches differ in shape")
-    require(k_cache.shape[0] == kv_heads and k_cache.shape[2] == head_dim, "cache and k disagree on heads/dim")
+    require(
+        k_cache.shape[0] == kv_heads and k_cache.shape[2] == head_dim, "cache and k disagree on heads/dim"
+    )
     require(positions.shape == (tokens,), "positions must be [tokens]")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         require(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")

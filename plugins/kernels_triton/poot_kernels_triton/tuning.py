@@ -162,14 +162,16 @@ def tuning_for_target(backend: str, arch: int | str) -> Tuning:
 
 
 def tuning_for_device(device: torch.device) -> Tuning:
-    """The tuning for tensors on `device`: a cuda device maps by its architecture, a cpu one to the interpreter."""
+    """The tuning for tensors on `device`: a cuda device by its architecture, the cpu to the interpreter."""
     forced = _override.get()
     if forced is not None:
         return forced
     if device.type == "cpu":
         return INTERPRETER
     if device.type != "cuda":
-        raise Unsupported(Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter")
+        raise Unsupported(
+            Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter"
+        )
     props = torch.cuda.get_device_properties(device)
     if torch.version.hip:
         return tuning_for_target("hip", props.gcnArchName)

@@ -1,0 +1,140 @@
+"""Every Triton kernel compiles ahead of time, without a GPU, for CUDA sm_90 and HIP gfx942/gfx90a/gfx1100.
+
+The public functions are called on small CPU tensors with launches recorded instead of run (under the
+target's own tuning), and each recorded launch is compiled with triton.compile(ASTSource(...)). Triton 3.9
+needs nothing outside its wheel for this: ptxas ships in triton/backends/nvidia/bin, and the HIP backend
+links the HSACO in-process (no ld.lld, no ROCm install). The work runs in a child process because the
+kernel tests in this suite import the package under TRITON_INTERPRET=1, which turns kernels into
+interpreted functions that cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+TARGETS = {
+    "cuda:90": ("cuda", 90, 32),
+    "hip:gfx942": ("hip", "gfx942", 64),
+    "hip:gfx90a": ("hip", "gfx90a", 64),
+    "hip:gfx1100": ("hip", "gfx1100", 32),
+}
+
+
+def record_all_launches() -> list:
+    """Call every public function in each of its kernel variants; return the recorded launches."""
+    import poot_kernels_triton as ktr
+    import torch
+
+    from poot_core.checkpoint.layouts import PackedWeight
+
+    bf = torch.bfloat16
+    with ktr.record_launches() as launches:
+        x, w = torch.zeros(4, 4096, dtype=bf), torch.zeros(4096, dtype=bf)
+        ktr.add_rms_norm(x, x.clone(), w, 1e-6, weight_offset=1.0)
+        ktr.add_rms_norm(x, None, w, 1e-6)
+        ktr.gated_activation(torch.zeros(4, 2 * 1024, dtype=bf), kind="silu")
+        ktr.gated_activation(torch.zeros(4, 1024, dtype=bf), torch.zeros(4, 1024, dtype=bf), kind="gelu_tanh")
+        q, k = torch.zeros(4, 32, 128, dtype=bf), torch.zeros(4, 8, 128, dtype=bf)
+        pos = torch.zeros(4, dtype=torch.int64)
+        cos = torch.zeros(64, 32)
+        ktr.apply_rope(q, k, pos, cos, cos, inplace=False)  # partial rotary, out of place
+        ktr.apply_rope(q, k, pos, torch.zeros(64, 64), torch.zeros(64, 64))
+        cache = torch.zeros(2, 8, 64, 128, dtype=bf)
+        ktr.write_kv(k, k, cache, cache, pos, layer=1)
+        ktr.prefill_attention(q, cache[0], cache[0], 0)
+        ktr.prefill_attention(q, cache[0], cache[0], 2, window=16, softcap=50.0)
+        lens = torch.zeros(2, dtype=torch.int32)
+        ktr.decode_attention(torch.zeros(2, 32, 128, dtype=bf), cache, cache, lens)
+        ktr.decode_attention(torch.zeros(2, 32, 128, dtype=bf), cache, cache, lens, window=16, softcap=30.0)
+        for m in (1, 16):
+            xm = torch.zeros(m, 512, dtype=bf)
+            ktr.linear(xm, torch.zeros(256, 512, dtype=bf), torch.zeros(256, dtype=bf))
+            for name, (_, elems, nbytes) in ktr.GGUF_TYPES.items():
+                blocks = torch.zeros(256, 512 // elems * nbytes, dtype=torch.uint8)
+                ktr.linear(xm, PackedWeight("gguf", (256, 512), {"blocks": blocks}, {"type": name}))
+            ktr.gptq_linear(
+                xm.half(),
+                torch.zeros(64, 256, dtype=torch.int32),
+                torch.zeros(4, 32, dtype=torch.int32),
+                torch.zeros(4, 256, dtype=torch.float16),
+                torch.zeros(512, dtype=torch.int32),
+            )
+        logits = torch.zeros(2, 32000)
+        ktr.greedy(logits)
+        ktr.sample(logits, torch.zeros(2), temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)
+    return launches
+
+
+def jitted_kernels() -> set[str]:
+    """Names of the package's @triton.jit functions that are launched directly (kernels, not helpers)."""
+    import importlib
+    import pkgutil
+
+    import poot_kernels_triton as ktr
+    import triton
+
+    names = set()
+    for info in pkgutil.iter_modules(ktr.__path__):
+        module = importlib.import_module(f"poot_kernels_triton.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, triton.runtime.JITFunction) and attr.endswith("_kernel"):
+                names.add(f"{info.name}.{attr}")
+    return names
+
+
+def compile_for(target_key: str) -> dict:
+    """Child-process body: compile every recorded launch for one target; report what came out."""
+    import poot_kernels_triton as ktr
+    from poot_kernels_triton.aot import compile_launch
+    from triton.backends.compiler import GPUTarget
+
+    backend, arch, warp = TARGETS[target_key]
+    target = GPUTarget(backend, arch, warp)
+    with ktr.use_tuning(ktr.tuning_for_target(backend, arch)):
+        launches = record_all_launches()
+    compiled, failures = [], []
+    for launch in launches:
+        name = f"{launch.kernel.fn.__module__.rsplit('.', 1)[-1]}.{launch.kernel.fn.__name__}"
+        try:
+            kernel = compile_launch(launch, target)
+            binary = kernel.asm["cubin" if backend == "cuda" else "hsaco"]
+            compiled.append({"kernel": name, "bytes": len(binary), "shared": kernel.metadata.shared})
+        except Exception as err:  # report every failure, not just the first
+            failures.append({"kernel": name, "error": f"{type(err).__name__}: {str(err)[-2000:]}"})
+    return {"compiled": compiled, "failures": failures, "all_kernels": sorted(jitted_kernels())}
+
+
+@pytest.fixture(scope="module")
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return env
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+def test_every_kernel_compiles_ahead_of_time(target_key: str, child_env: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), target_key],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["failures"] == [], json.dumps(report["failures"], indent=1)
+    built = {c["kernel"] for c in report["compiled"]}
+    assert built == set(report["all_kernels"]), f"never compiled: {set(report['all_kernels']) - built}"
+    assert all(c["bytes"] > 0 for c in report["compiled"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_for(sys.argv[1])))
