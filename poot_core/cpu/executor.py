@@ -26,7 +26,7 @@ CPU_OPS = frozenset({
 })
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
 
-Env = dict[str, torch.Tensor]
+Env = dict[str, Any]
 StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
 
 # Ops a plugin family adds (the MoE op, latent attention) register a builder here through
@@ -84,8 +84,9 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
             return lambda e, s: ops.embed(table(e, s), tokens(e, s))
         return lambda e, s: ops.embed(table(e, s), tokens(e, s)) * scale
     if op == "rms_norm":
-        x, w = args
-        return lambda e, s: ops.rms_norm(x(e, s), w(e, s), a["eps"], a["offset"])
+        x, _ = args
+        scale = get(node.inputs[1]).float() + a["offset"]  # a small vector: float32 once, offset applied
+        return lambda e, s: ops.rms_norm(x(e, s), scale, a["eps"])
     if op == "layer_norm":
         x, w, b = args
         return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), a["eps"])
@@ -97,7 +98,15 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
         return lambda e, s: x(e, s).reshape(node.shape)
     if op == "rope":
         x, pos = args
-        return lambda e, s: ops.rope(x(e, s), pos(e, s), a["theta"], a["dim"], a["style"], a["scaling"])
+        key = f"rope:{node.inputs[1]}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}"
+
+        def rope(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+            tables = e.get(key)  # computed once per step, shared by every layer with the same rope
+            if tables is None:
+                tables = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
+            return ops.rope(x(e, s), tables[0], tables[1], a["style"])
+
+        return rope
     if op == "attention":
         q, k, v, pos, kc, vc = args
         return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),

@@ -44,9 +44,9 @@ def embed(table: Weight, tokens: torch.Tensor) -> torch.Tensor:
     return out.reshape(*tokens.shape, -1)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return normed * (w.float() + offset) if offset else normed * w.float()
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """w is the float32 scale, with any (offset + w) already applied (see the executor's binding)."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -77,12 +77,17 @@ def inverse_frequencies(theta: float, dim: int, scaling_items: tuple[tuple[str, 
     return inv
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dim: int, style: str,
-         scaling: dict[str, Any]) -> torch.Tensor:
-    """x [R, T, H, Dh]; positions [R, T]."""
+def rope_tables(positions: torch.Tensor, theta: float, dim: int,
+                scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [R, T, 1, dim/2] for the positions of one step (shared by every layer that uses them)."""
     inv = inverse_frequencies(theta, dim, tuple(sorted(scaling.items())))
     angles = positions.float()[..., None] * inv  # [R, T, dim/2]
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """x [R, T, H, Dh]; rotates the first 2 * cos.shape[-1] features of each head."""
+    dim = 2 * cos.shape[-1]
     rot, rest = x[..., :dim], x[..., dim:]
     if style == "neox":
         a, b = rot[..., : dim // 2], rot[..., dim // 2 :]
@@ -111,11 +116,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         kpos = torch.arange(first, end)[None, :]
         allowed = kpos <= qpos
         if window is not None:
-            allowed &= qpos - kpos < window
+            allowed = allowed & (qpos - kpos < window)
         qr = q[r].transpose(0, 1)  # [Hq, T, D]
         group = heads // kv_heads
         if softcap is None:
-            o = F.scaled_dot_product_attention(qr[None], keys[None], values[None], attn_mask=allowed,
+            mask = None if tokens == 1 else allowed  # one query sees every key kept: no mask needed
+            o = F.scaled_dot_product_attention(qr[None], keys[None], values[None], attn_mask=mask,
                                                scale=scale, enable_gqa=group > 1)[0]
         else:
             keys_g = keys.repeat_interleave(group, 0)
