@@ -39,8 +39,9 @@ def vocabulary_from_hf(root: Path, access: FileAccess, config: ModelConfig) -> V
     path = root / "tokenizer.json"
     if not path.exists():
         raise CheckpointError(root, "tokenizer.json is missing (poot reads the fast tokenizer format)")
+    data = access.read_bytes(path)
     try:
-        tok = tokenizers.Tokenizer.from_str(access.read_bytes(path).decode("utf-8"))
+        tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # the tokenizers library raises plain Exceptions for bad JSON
         raise CheckpointError(path, f"not a tokenizers file: {exc}") from exc
     tc: dict[str, Any] = {}
