@@ -7,6 +7,7 @@ encode matches llama.cpp's `llama_tokenize` and whose decode matches llama.cpp's
 - `llama` (SentencePiece-style BPE over scores, byte fallback, "▁" for spaces, optional space prefix);
 - `gpt2` (byte-level BPE with merges) with the pre-tokenizer regexes llama.cpp uses per
   `tokenizer.ggml.pre`;
+- `gemma4` (BPE merges over raw UTF-8 with "▁" spaces and <0xXX> byte fallback);
 - `bert` (WordPiece, llama.cpp's "▁"-marked form).
 
 Conventions the callers rely on:
@@ -284,6 +285,13 @@ def vocabulary_from_gguf(metadata: dict[str, Any], source: str) -> Vocabulary:
             tokens, merges, PRE_TOKENIZER_REGEXES[family], clean_spaces, ignore_merges, meta
         )
         bos_default = eos_default = 11
+    elif model == "gemma4":
+        merges = meta.array("tokenizer.ggml.merges", str, None)
+        if merges is None:
+            raise meta.bad("tokenizer.ggml.merges", "missing: a gemma4 tokenizer needs its merges")
+        tokenizer = _gemma4_tokenizer(tokens, merges, meta)
+        bos_default = eos_default = None
+        add_bos = True  # llama.cpp forces BOS on for gemma4 whatever the file says
     elif model == "bert":
         tokenizer = _wpm_tokenizer(tokens, meta)
         bos_default, eos_default, add_bos = 101, None, True
@@ -291,7 +299,7 @@ def vocabulary_from_gguf(metadata: dict[str, Any], source: str) -> Vocabulary:
         raise Unsupported(
             Reason.REGISTRY,
             f"GGUF tokenizer model {model!r}",
-            f"{source}: poot reads the llama (SentencePiece), gpt2 (byte-level BPE) "
+            f"{source}: poot reads the llama (SentencePiece), gpt2 (byte-level BPE), gemma4 "
             "and bert (WordPiece) models",
         )
 
@@ -299,7 +307,7 @@ def vocabulary_from_gguf(metadata: dict[str, Any], source: str) -> Vocabulary:
 
     bos_id = meta.token_id("tokenizer.ggml.bos_token_id", n, bos_default)
     eos_id = meta.token_id("tokenizer.ggml.eos_token_id", n, eos_default)
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bool, add_bos))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bool, add_bos)) or model == "gemma4"
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", bool, False))
     stop_ids = _stop_ids(meta, tokens, eos_id)
     template = meta.get("tokenizer.chat_template", str)
@@ -426,6 +434,21 @@ def _spm_tokenizer(
 # --- Byte-level BPE ("gpt2") -------------------------------------------------------------------------
 
 
+def _merge_pairs(tokens: Sequence[str], merges: Sequence[str], meta: _Metadata) -> list[tuple[str, str]]:
+    """Merge lines "left right", split at the first space after the first character (as llama.cpp does)."""
+    vocab = set(tokens)
+    pairs: list[tuple[str, str]] = []
+    for index, line in enumerate(merges):
+        cut = line.find(" ", 1)
+        left, right = (line[:cut], line[cut + 1 :]) if cut > 0 else (line, "")
+        if left not in vocab or right not in vocab or left + right not in vocab:
+            raise meta.bad(
+                "tokenizer.ggml.merges", f"merge {index} {line!r} names a token not in the vocabulary"
+            )
+        pairs.append((left, right))
+    return pairs
+
+
 def _bpe_tokenizer(
     tokens: Sequence[str],
     merges: Sequence[str],
@@ -453,6 +476,23 @@ def _bpe_tokenizer(
     chain: list[Any] = [decoders.ByteLevel()]
     if clean_spaces:
         chain += [decoders.Replace(old, new) for old, new in _CLEAN_SPACES]
+    tokenizer.decoder = decoders.Sequence(chain)
+    return tokenizer
+
+
+def _gemma4_tokenizer(tokens: Sequence[str], merges: Sequence[str], meta: _Metadata) -> tokenizers.Tokenizer:
+    """Gemma 4: BPE merges over raw UTF-8 with spaces spelled "▁", split only between newline runs and
+    other text, <0xXX> byte fallback; the detokenizer applies the BPE clean-up of spaces."""
+    vocab = {text: i for i, text in enumerate(tokens)}
+    pairs = _merge_pairs(tokens, merges, meta)
+    has_bytes = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    tokenizer = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, byte_fallback=has_bytes, fuse_unk=False)
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    chain: list[Any] = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    chain += [decoders.Replace(old, new) for old, new in _CLEAN_SPACES]
     tokenizer.decoder = decoders.Sequence(chain)
     return tokenizer
 
