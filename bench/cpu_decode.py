@@ -29,7 +29,7 @@ NEW_TOKENS = 128
 
 
 def prompt_ids(encode) -> list[int]:
-    text = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank." for i in range(80))
+    text = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog by the river." for i in range(80))
     return encode(text)[:PROMPT_TOKENS]
 
 

@@ -7,14 +7,14 @@ the public API for bad input.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
 class PootError(Exception):
     """Base of every error poot raises on purpose."""
 
 
-class Reason(str, Enum):
+class Reason(StrEnum):
     """Why something is unsupported. Each reason carries the name of the missing thing."""
 
     REGISTRY = "Registry"  # no installed family serves an architecture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,7 +66,7 @@ class BackendSpec:
     distribution: str = field(default="", compare=False)
 
 
-class BackendChoice(str, Enum):
+class BackendChoice(StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"

@@ -26,7 +26,13 @@ def test_public_api_importable_from_package():
     for name in PUBLIC:
         assert hasattr(poot_core, name), name
     from poot_core.errors import (  # noqa: F401
-        CapacityError, CheckpointError, IntegrityError, PootError, RequestError, TemplateError, Unsupported,
+        CapacityError,
+        CheckpointError,
+        IntegrityError,
+        PootError,
+        RequestError,
+        TemplateError,
+        Unsupported,
     )
 
 

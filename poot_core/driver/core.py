@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from poot_core.errors import CapacityError, Reason, RequestError, Unsupported
 from poot_core.graph import StepShape, Tracer
 
 
-class Layout(str, Enum):
+class Layout(StrEnum):
     CONTIGUOUS = "contiguous"
     PAGED = "paged"
 

@@ -7,7 +7,6 @@ them. Shapes: R rows, T new tokens per row, D hidden, H query heads, K kv heads,
 from __future__ import annotations
 
 from poot_core import ModelConfig, StepShape, Tracer, Value
-
 from poot_family_llama.config import DecoderParams
 
 

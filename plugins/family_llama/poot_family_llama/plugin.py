@@ -6,7 +6,6 @@ import re
 from typing import Any
 
 from poot_core import CheckpointError, Family, ModelConfig, StepShape, Tracer, hookimpl
-
 from poot_family_llama.config import DecoderParams, eos_list, model_config, params_from_hf
 from poot_family_llama.model import trace_decoder
 
