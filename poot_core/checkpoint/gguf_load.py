@@ -27,6 +27,9 @@ def load_gguf(cls: type[ModelHandle], path: Path, registry: Registry, options: L
     family = registry.resolve(meta.get("general.architecture"))
     config = family.config_from_gguf(meta)
     vocab = vocabulary_from_gguf(meta, str(path))
+    # The tokenizer arrays (tens of thousands of strings) live on in the tokenizer; keep only the small keys.
+    small = {k: v for k, v in meta.items() if not (isinstance(v, list) and len(v) > 1024)}
+    file.metadata = config.raw = small
     config.eos_ids = tuple(dict.fromkeys((*config.eos_ids, *vocab.stop_ids)))
     if vocab.bos_id is not None:
         config.bos_id = vocab.bos_id

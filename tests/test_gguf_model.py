@@ -1,0 +1,100 @@
+"""GGUF checkpoints end to end: the real SmolLM2 Q4_1 file against transformers running the same file, and
+tiny GGUF files written by the tests with llama.cpp's tensor names."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import smollm
+import tiny
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Reason, Unsupported, open_executor
+
+
+@pytest.fixture(scope="module")
+def handle():
+    return ModelHandle.load(smollm.gguf_path())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = smollm.gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_config_and_tokenizer_come_from_the_file(handle):
+    config = handle.config()
+    assert config.family == "llama" and config.source_format == "gguf"
+    assert handle.text().has_chat_template()
+    weights = handle.store()
+    assert weights.get("model.layers.0.self_attn.q_proj.weight").kind == "gguf.Q4_1"
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_on_the_same_file(handle, reference):
+    ids = handle.text().encode(" ".join(smollm.PROMPTS))
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16))
+    ours = driver.logits(ids)
+    with torch.no_grad():
+        ref = reference(torch.tensor([ids])).logits[0]
+    assert tiny.rel_error(ours, ref) <= 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", smollm.PROMPTS)
+def test_greedy_32_tokens_match_transformers(handle, reference, prompt):
+    ids = handle.text().encode(prompt)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=64)).serve()
+    ours = driver.generate(GenerateRequest(ids, max_new=32, ignore_eos=True)).tokens
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+def test_resident_memory_stays_near_file_size():
+    """Loading maps the file; nothing is widened. Run in a fresh process so other tests' memory is not counted."""
+    import subprocess
+    import sys
+
+    code = (
+        "import psutil, sys; sys.path.insert(0, 'tests'); import smollm\n"
+        "from poot_core import ModelHandle, Driver, DriverOptions, open_executor\n"
+        "import poot_core.checkpoint.gguf_load, poot_core.checkpoint.gguf_file, poot_core.text.gguf_vocab\n"
+        "import poot_core.cpu.executor, poot_core.cpu.packed_linear  # code is not load memory\n"
+        "p = psutil.Process(); before = p.memory_info().rss\n"
+        "h = ModelHandle.load(smollm.gguf_path())\n"
+        "d = Driver(h, open_executor('cpu'), DriverOptions(capacity=64, prefill_chunk=16))\n"
+        "d.logits(h.text().encode('hello'))\n"
+        "print(p.memory_info().rss - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.strip().splitlines()[-1])
+    assert grown <= 1.5 * smollm.gguf_path().stat().st_size, grown
+
+
+def test_unknown_block_type_is_refused_before_compute(tmp_path):
+    import gguf
+
+    path = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 66), dtype=np.uint8), raw_shape=(4, 256),
+                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from poot_core.checkpoint.gguf_file import GGUFFile
+
+    with pytest.raises(Unsupported) as err:
+        GGUFFile.open(path).tensor("blk.0.attn_q.weight")
+    assert err.value.reason is Reason.QUANTIZATION
+    assert "IQ2_XXS" in str(err.value) and "blk.0.attn_q.weight" in str(err.value)
+
