@@ -63,6 +63,9 @@ class BackendSpec:
     priority: int  # higher wins in automatic selection: cuda 40, rocm 30, vulkan 20, cpu 0
     aliases: tuple[str, ...] = ()
     description: str = ""
+    # Whether AUTO may pick it: a backend can be present yet a poor default (a software Vulkan device).
+    # None means "when probe() is true".
+    auto_probe: Callable[[], bool] | None = None
     distribution: str = field(default="", compare=False)
 
 
@@ -84,11 +87,21 @@ def installed_backends() -> list[BackendSpec]:
     return sorted(specs, key=lambda s: -s.priority)
 
 
-def _safe_probe(spec: BackendSpec) -> bool:
+def _safe_probe(spec: BackendSpec, auto: bool = False) -> bool:
+    probe = spec.auto_probe if auto and spec.auto_probe is not None else spec.probe
     try:
-        return bool(spec.probe())
+        return bool(probe())
     except Exception:  # a probe must never raise for absence; treat a failing probe as absence
         return False
+
+
+def _open(spec: BackendSpec) -> Executor:
+    try:
+        return spec.open()
+    except Unsupported:
+        raise
+    except Exception as exc:  # a broken backend plugin is a typed refusal, not a traceback
+        raise Unsupported(Reason.BACKEND, spec.name, f"it failed to open: {type(exc).__name__}: {exc}") from exc
 
 
 def open_executor(choice: BackendChoice | str = BackendChoice.AUTO,
@@ -98,15 +111,20 @@ def open_executor(choice: BackendChoice | str = BackendChoice.AUTO,
     specs = installed_backends() if backends is None else sorted(backends, key=lambda s: -s.priority)
     wanted = choice.value if isinstance(choice, BackendChoice) else str(choice).lower()
     if wanted == BackendChoice.AUTO.value:
+        failures = []
         for spec in specs:
-            if _safe_probe(spec):
-                return spec.open()
-        raise Unsupported(Reason.BACKEND, "auto", "no installed backend found a device")
+            if _safe_probe(spec, auto=True):
+                try:
+                    return _open(spec)
+                except Unsupported as exc:  # try the next one; say why if none opens
+                    failures.append(str(exc))
+        raise Unsupported(Reason.BACKEND, "auto", "no installed backend opened a device" +
+                          (f": {'; '.join(failures)}" if failures else ""))
     for spec in specs:
         if wanted == spec.name or wanted in spec.aliases:
             if not _safe_probe(spec):
                 raise Unsupported(Reason.BACKEND, spec.name, "its device is not present on this machine")
-            return spec.open()
+            return _open(spec)
     names = ", ".join(s.name for s in specs) or "none"
     raise Unsupported(Reason.BACKEND, wanted, f"no installed backend has that name; installed: {names}")
 

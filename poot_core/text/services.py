@@ -95,6 +95,11 @@ class TextServices:
         inside a message stays plain text. BOS is added when the tokenizer adds it and the template did not."""
         from poot_core.text.chat import encode_segments
 
+        for text in rendered.unplaced:
+            spelled = [t for t in self.vocab.control_tokens if t and t in text]
+            if spelled:
+                raise TemplateError(f"a message spells the control token {spelled[0]!r} and the template changed "
+                                    "that message, so poot cannot keep the token as plain text")
         ids = encode_segments(self.tokenizer, rendered.segments)
         v = self.vocab
         if v.add_bos and v.bos_id is not None and (not ids or ids[0] != v.bos_id):
