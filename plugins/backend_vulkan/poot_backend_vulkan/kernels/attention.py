@@ -71,17 +71,23 @@ def attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     split_len: int = 256,
+    splits: int | None = None,
 ) -> None:
     """One query token q[1, H, D] at `position` over cache positions 0..position (split-K).
 
     The keys are cut into splits of `split_len` positions, each its own workgroup per head; a
-    second dispatch merges their partial softmax sums.
+    second dispatch merges their partial softmax sums. `splits` fixes their number (splits past
+    the position are empty and add nothing), so a recorded step keeps one grid for every position.
     """
     heads = q.shape[-2] if len(q.shape) >= 2 else 0
     kv_heads, head_dim = _validate(q, k_cache, heads, position, 1)
     check("attention.v_cache", v_cache, k_cache.shape)
     check("attention.out", out, (1, heads, head_dim))
-    splits = -(-(position + 1) // split_len)
+    needed = -(-(position + 1) // split_len)
+    if splits is None:
+        splits = needed
+    elif splits < needed:
+        raise CapacityError(f"{splits} splits of {split_len} do not cover position {position}")
     runtime = batch.runtime
     stats = runtime.scratch("attention.stats", 8 * heads * splits)
     params = _params(1, heads, kv_heads, head_dim, position, window, splits, split_len, scale, softcap)

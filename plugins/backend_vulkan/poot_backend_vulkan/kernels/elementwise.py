@@ -11,16 +11,26 @@ _COMBINE = {
     "silu": "silu(a) * b",
     "gelu_tanh": "gelu_tanh(a) * b",
     "add": "a + b",
+    "mul": "a * b",
+}
+# One-input expressions of `a` (b is bound to the same buffer and unused); {0} is a float constant.
+_UNARY = {
+    "silu": "silu(a)",
+    "gelu_tanh": "gelu_tanh(a)",
+    "relu": "max(a, 0.0)",
+    "scale": "a * {0}",
+    "softcap": "{0} * safe_tanh(a / {0})",
 }
 
 
-def _elementwise(batch: Batch, op: str, a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+def _elementwise(
+    batch: Batch, op: str, a: DeviceArray, b: DeviceArray, out: DeviceArray, expression: str | None = None
+) -> None:
     check(f"{op}.b", b, a.shape)
     check(f"{op}.out", out, a.shape)
-    source = (
-        shader_source("elementwise") + f"\nfn combine(a: f32, b: f32) -> f32 {{ return {_COMBINE[op]}; }}\n"
-    )
-    pipeline = batch.runtime.pipeline("elementwise", source, op)
+    expression = expression or _COMBINE[op]
+    source = shader_source("elementwise") + f"\nfn combine(a: f32, b: f32) -> f32 {{ return {expression}; }}\n"
+    pipeline = batch.runtime.pipeline("elementwise", source, expression)
     batch.dispatch(pipeline, [a.buffer, b.buffer, out.buffer], pack_params(a.size), grid_1d(-(-a.size // 64)))
 
 
@@ -36,6 +46,19 @@ def gated_activation(batch: Batch, gate: DeviceArray, up: DeviceArray, out: Devi
 def add(batch: Batch, a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
     """out = a + b elementwise (out must be a third buffer: wgpu refuses one bound both read and written)."""
     _elementwise(batch, "add", a, b, out)
+
+
+def mul(batch: Batch, a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+    """out = a * b elementwise."""
+    _elementwise(batch, "mul", a, b, out)
+
+
+def unary(batch: Batch, kind: str, x: DeviceArray, out: DeviceArray, constant: float = 0.0) -> None:
+    """out = f(x) elementwise: silu, gelu_tanh, relu, scale (x * constant), softcap (c * tanh(x / c))."""
+    if kind not in _UNARY:
+        raise Unsupported(Reason.OPERATION, f"activation:{kind}", f"the Vulkan kernels have {', '.join(_UNARY)}")
+    expression = _UNARY[kind].format(f"({float(constant)!r})")
+    _elementwise(batch, kind, x, x, out, expression)
 
 
 def argmax(batch: Batch, logits: DeviceArray, ids: DeviceArray) -> None:

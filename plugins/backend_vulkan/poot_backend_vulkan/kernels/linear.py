@@ -11,17 +11,23 @@ from .weights import DeviceWeight
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
 
 
-def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight):
+def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False):
     source = shader_source(kernel, "bytes", weight.fmt.shader)
-    return batch.runtime.pipeline(f"{kernel}:{weight.fmt.name}", source)
+    if bias:
+        source = source.replace("//BIAS ", "")
+    return batch.runtime.pipeline(f"{kernel}:{weight.fmt.name}", source, "bias" if bias else "")
 
 
-def linear(batch: Batch, x: DeviceArray, weight: DeviceWeight, out: DeviceArray) -> None:
-    """out[T, N] = x[T, K] @ W[N, K]^T; one dispatch per row-chunk of W."""
+def linear(
+    batch: Batch, x: DeviceArray, weight: DeviceWeight, out: DeviceArray, bias: DeviceArray | None = None
+) -> None:
+    """out[T, N] = x[T, K] @ W[N, K]^T (+ bias[N]); one dispatch per row-chunk of W."""
     tokens = x.size // weight.cols
     check("linear.x", x, (tokens, weight.cols))
     check("linear.out", out, (tokens, weight.rows))
-    pipeline = _pipeline(batch, "linear", weight)
+    if bias is not None:
+        check("linear.bias", bias, (weight.rows,))
+    pipeline = _pipeline(batch, "linear", weight, bias is not None)
     token_groups = -(-tokens // _TOKENS_PER_GROUP)
     if token_groups > MAX_GROUPS:
         raise Unsupported(Reason.SHAPE, "linear", f"{tokens} tokens exceed one dispatch")
@@ -29,11 +35,14 @@ def linear(batch: Batch, x: DeviceArray, weight: DeviceWeight, out: DeviceArray)
         gx = min(chunk.rows, MAX_GROUPS)
         gz = -(-chunk.rows // gx)
         params = pack_params(chunk.rows, weight.cols, chunk.row_start, weight.rows, tokens)
-        batch.dispatch(pipeline, [chunk.buffer, x.buffer, out.buffer], params, (gx, token_groups, gz))
+        buffers = [chunk.buffer, x.buffer, out.buffer] + ([] if bias is None else [bias.buffer])
+        batch.dispatch(pipeline, buffers, params, (gx, token_groups, gz))
 
 
-def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray) -> None:
-    """out[T, K] = table[ids[t], :] widened to f32; one dispatch per row-chunk of the table.
+def embed(
+    batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0
+) -> None:
+    """out[T, K] = scale * table[ids[t], :] widened to f32; one dispatch per row-chunk of the table.
 
     Ids outside the table leave their output row untouched (the caller validates token ids).
     """
@@ -43,7 +52,7 @@ def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray)
     pipeline = _pipeline(batch, "embed", table)
     units = -(-table.cols // 32)
     for chunk in table.chunks:
-        params = pack_params(chunk.rows, table.cols, chunk.row_start, table.cols, tokens)
+        params = pack_params(chunk.rows, table.cols, chunk.row_start, table.cols, tokens, float(scale))
         batch.dispatch(
             pipeline, [chunk.buffer, ids.buffer, out.buffer], params, grid_1d(-(-tokens * units // 64))
         )

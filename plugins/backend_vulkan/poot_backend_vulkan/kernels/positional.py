@@ -51,16 +51,23 @@ def rope(
     *,
     heads: int,
     head_dim: int,
+    style: str = "neox",
 ) -> None:
-    """Rotate x[tokens, heads, head_dim] in place; positions: u32 [tokens]; inv_freq: f32 [rot_dim / 2]."""
+    """Rotate x[tokens, heads, head_dim] in place; positions: u32 [tokens]; inv_freq: f32 [rot_dim / 2].
+
+    style: "neox" rotates (i, i + rot_dim / 2); "interleaved" rotates (2i, 2i + 1).
+    """
     tokens = positions.size
     rot_dim = 2 * inv_freq.size
     check("rope.x", x, (tokens, heads, head_dim))
     check("rope.positions", positions, (tokens,), "u32")
     if rot_dim > head_dim:
         raise Unsupported(Reason.SHAPE, "rope", f"rotary dim {rot_dim} exceeds head dim {head_dim}")
+    if style not in ("neox", "interleaved"):
+        raise Unsupported(Reason.OPERATION, f"rope style {style}", "the Vulkan rope has neox and interleaved")
+    step, gap = (1, rot_dim // 2) if style == "neox" else (2, 1)
     pipeline = batch.runtime.pipeline("rope", shader_source("rope"))
-    params = pack_params(tokens, heads, head_dim, rot_dim)
+    params = pack_params(tokens, heads, head_dim, rot_dim, step, gap)
     work = tokens * heads * (rot_dim // 2)
     batch.dispatch(pipeline, [x.buffer, positions.buffer, inv_freq.buffer], params, grid_1d(-(-work // 64)))
 

@@ -1,10 +1,11 @@
-// out[t, :] = table[ids[t], :] for the ids that fall in this row-chunk of the table.
+// out[t, :] = scale * table[ids[t], :] for the ids that fall in this row-chunk of the table.
 struct Params {
     rows: u32,
     cols: u32,
     row_offset: u32,
     out_cols: u32,
     tokens: u32,
+    scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -30,7 +31,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     for (var i = 0u; i < 32u; i++) {
         let k = u * 32u + i;
         if (k < p.cols) {
-            out[t * p.cols + k] = vals[i];
+            out[t * p.cols + k] = vals[i] * p.scale;
         }
     }
 }

@@ -1,6 +1,7 @@
 // y[t, row_offset + r] = sum_k W[r, k] * x[t, k] for one row-chunk of W (a binding of at most
 // maxStorageBufferBindingSize bytes). One workgroup per (row, group of 4 tokens); the 64 threads
-// share the row's 32-value units, so each unit is decoded once for 4 tokens.
+// share the row's 32-value units, so each unit is decoded once for 4 tokens. The BIAS variant adds
+// bias[n] to every output column n.
 struct Params {
     rows: u32,
     cols: u32,
@@ -13,6 +14,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> wt: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+//BIAS @group(0) @binding(4) var<storage, read> bias: array<f32>;
 
 const TOKENS: u32 = 4u;
 var<workgroup> partial: array<vec4<f32>, 64>;
@@ -51,6 +53,8 @@ fn main(
         workgroupBarrier();
     }
     if (lid < TOKENS && row < p.rows && t0 + lid < p.tokens) {
-        y[(t0 + lid) * p.out_cols + p.row_offset + row] = partial[0][lid];
+        var value = partial[0][lid];
+        //BIAS value += bias[p.row_offset + row];
+        y[(t0 + lid) * p.out_cols + p.row_offset + row] = value;
     }
 }

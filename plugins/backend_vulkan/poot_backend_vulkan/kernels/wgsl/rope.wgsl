@@ -1,4 +1,6 @@
-// Rotary embedding, neox "rotate half" form, in place on x[tokens, heads, head_dim]. Only the first
+// Rotary embedding in place on x[tokens, heads, head_dim]: pair i is (step * i, step * i + gap), so
+// neox "rotate half" is step 1, gap rot_dim / 2 and the interleaved form (llama.cpp's layout of
+// permuted q/k) is step 2, gap 1. Only the first
 // rot_dim values of each head rotate (partial rotary); inv_freq holds rot_dim / 2 inverse frequencies,
 // already scaled on the host (llama3, linear, ...). positions[t] is token t's absolute position.
 struct Params {
@@ -6,6 +8,8 @@ struct Params {
     heads: u32,
     head_dim: u32,
     rot_dim: u32,
+    step: u32,
+    gap: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -26,9 +30,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let angle = f32(positions[t]) * inv_freq[i];
     let c = cos(angle);
     let s = sin(angle);
-    let a = th * p.head_dim + i;
+    let a = th * p.head_dim + p.step * i;
     let x1 = x[a];
-    let x2 = x[a + half];
+    let x2 = x[a + p.gap];
     x[a] = x1 * c - x2 * s;
-    x[a + half] = x2 * c + x1 * s;
+    x[a + p.gap] = x2 * c + x1 * s;
 }

@@ -1,0 +1,27 @@
+"""The Vulkan backend's entry point: `vulkan` (alias `wgpu`), chosen after CUDA and ROCm."""
+
+from __future__ import annotations
+
+from poot_core import BackendSpec, hookimpl
+
+
+def probe() -> bool:
+    """True when wgpu is installed and finds a Vulkan adapter; never raises."""
+    try:
+        from poot_backend_vulkan.kernels.runtime import vulkan_adapters
+
+        return bool(vulkan_adapters())
+    except Exception:  # absence of the package, the loader or a driver all mean "no device"
+        return False
+
+
+def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
+    from poot_backend_vulkan.executor import VulkanExecutor
+
+    return VulkanExecutor()
+
+
+@hookimpl
+def poot_register_backends() -> list[BackendSpec]:
+    return [BackendSpec("vulkan", _open, probe=probe, priority=20, aliases=("wgpu",),
+                        description="WGSL compute shaders through wgpu on a Vulkan device")]

@@ -1,0 +1,396 @@
+"""A traced graph -> a recorded Vulkan step.
+
+`VulkanProgram(...)` checks every node against what the kernels can run (a typed refusal naming the op,
+attribute or shape otherwise), gives each value a device buffer (reusing a buffer once its last reader has
+run), turns each node into an emitter (replay.py), and records the step. `run` writes the step's token ids
+and positions, replays, and returns the outputs as fresh device buffers (a later step does not overwrite
+an output the caller still holds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from poot_core import CapacityError, Graph, Node, Reason, RequestError, Unsupported
+
+from .kernels import attention as attn
+from .kernels import elementwise as ew
+from .kernels import linear as lin
+from .kernels import norms, positional
+from .kernels.runtime import DeviceArray, Runtime, grid_1d, pack_params, shader_source
+from .kernels.weights import DeviceWeight
+from .replay import Emitter, RecordedStep, Recorder, Slot
+from .upload import DeviceWeights
+
+VULKAN_OPS = frozenset({
+    "embed", "rms_norm", "layer_norm", "linear", "reshape", "rope", "attention", "gated", "activation",
+    "add", "mul", "scale", "last_position", "logits",
+})
+GATED = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu")
+DECODE_SPLIT = 256  # KV positions per workgroup of split-K decode attention
+
+
+@dataclass
+class Output:
+    """One output of a step, in its own device buffer. `ids` (u32, one per position) holds the argmax of
+    each logits row when the output is logits, so greedy decoding reads back 4 bytes."""
+
+    runtime: Runtime
+    buffer: Any
+    shape: tuple[int, ...]
+    ids: Any | None = None
+
+
+def copy_values(batch: Any, src: DeviceArray, dst: DeviceArray, count: int, src_offset: int = 0) -> None:
+    """dst[:count] = src[src_offset : src_offset + count] (copy.wgsl)."""
+    pipeline = batch.runtime.pipeline("copy", shader_source("copy"))
+    batch.dispatch(pipeline, [src.buffer, dst.buffer], pack_params(count, src_offset, 0), grid_1d(-(-count // 64)))
+
+
+def _view(array: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
+    return DeviceArray(array.buffer, tuple(shape), array.dtype)
+
+
+def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """The scaling dict with the defaults the CPU reference applies (rope_inv_freq wants every key)."""
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return {"rope_type": "llama3", "factor": scaling["factor"],
+                "low_freq_factor": scaling.get("low_freq_factor", 1.0),
+                "high_freq_factor": scaling.get("high_freq_factor", 4.0),
+                "original_max_position_embeddings": scaling.get("original_max_position_embeddings", 8192)}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": scaling["factor"]}
+    raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "the vulkan rope has default, linear and llama3")
+
+
+class _Buffers:
+    """Device buffers for the graph's values, reused by size once the values they hold are dead."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.free: dict[int, list[Any]] = {}
+        self.users: dict[int, int] = {}  # id(buffer) -> live values aliasing it
+
+    def take(self, shape: tuple[int, ...], dtype: str = "f32") -> DeviceArray:
+        nbytes = max(4, 4 * math.prod(shape))
+        pool = self.free.get(nbytes)
+        buffer = pool.pop() if pool else self.runtime.raw_buffer(nbytes)
+        self.users[id(buffer)] = 0
+        return DeviceArray(buffer, tuple(shape), dtype)
+
+    def give(self, buffer: Any) -> None:
+        self.free.setdefault(buffer.size, []).append(buffer)
+
+
+class VulkanProgram:
+    def __init__(self, runtime: Runtime, graph: Graph, weights: DeviceWeights) -> None:
+        self.runtime = runtime
+        self.graph = graph
+        self.weights = weights
+        shape = graph.shape
+        if shape.rows != 1:
+            raise Unsupported(Reason.SHAPE, f"rows={shape.rows}", "the vulkan backend runs one sequence per step")
+        self.tokens = shape.tokens
+        self.capacity = shape.capacity
+        for name, value in graph.inputs.items():
+            if len(value.shape) != 2 or value.shape[0] != 1:
+                raise Unsupported(Reason.SHAPE, f"input {name} {value.shape}", "inputs are [1, tokens] ids")
+        self.inputs = {name: runtime.empty(self.tokens, "u32") for name in graph.inputs}
+        self.values: dict[str, DeviceArray] = {}
+        self._buffers = _Buffers(runtime)
+        self._last_use = self._liveness()
+        self._rope_tables: dict[tuple[Any, ...], DeviceArray] = {}
+        emitters: list[Emitter] = []
+        for index, node in enumerate(graph.nodes):
+            self._at = index
+            emitter = self._node(node)
+            if emitter is not None:
+                emitters.append(emitter)
+            self._release(index, node)
+        self.outputs = [self.values[name] for name in graph.outputs]
+        self.ids: DeviceArray | None = None
+        last = graph.nodes[-1] if graph.nodes else None
+        if last is not None and last.op == "logits" and graph.outputs == [last.output]:
+            logits = self.outputs[0]
+            self.ids = runtime.empty(math.prod(logits.shape[:-1]), "u32")
+            ids = self.ids
+            emitters.append(lambda rec, start: ew.argmax(rec, _view(logits, (ids.size, logits.shape[-1])), ids))
+        starts = (0, 1) if self.tokens < self.capacity else (0, 0)
+        self.step = RecordedStep(runtime, emitters, starts)
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _liveness(self) -> dict[str, int]:
+        """The index of the last node that reads each value (graph outputs live forever)."""
+        last: dict[str, int] = {}
+        for index, node in enumerate(self.graph.nodes):
+            for name in node.inputs:
+                last[name] = index
+        for name in self.graph.outputs:
+            last[name] = len(self.graph.nodes)
+        return last
+
+    def _release(self, index: int, node: Node) -> None:
+        """After node `index`: a buffer whose every aliasing value is dead goes back to the pool."""
+        for name in {*node.inputs, node.output}:
+            value = self.values.get(name)
+            if value is None or self._last_use.get(name, -1) > index:
+                continue
+            key = id(value.buffer)
+            self._buffers.users[key] -= 1
+            if self._buffers.users[key] == 0:
+                self._buffers.give(value.buffer)
+
+    def _define(self, name: str, array: DeviceArray) -> DeviceArray:
+        self.values[name] = array
+        self._buffers.users[id(array.buffer)] = self._buffers.users.get(id(array.buffer), 0) + 1
+        return array
+
+    def _new(self, node: Node) -> DeviceArray:
+        return self._define(node.output, self._buffers.take(tuple(node.shape)))
+
+    def _value(self, node: Node, i: int) -> DeviceArray:
+        name = node.inputs[i]
+        if name in self.inputs:
+            return self.inputs[name]
+        if name.startswith("w:"):
+            found = self.weights.vectors.get(name[2:])
+            if found is None:
+                self._missing(node, name[2:], "a vector")
+            return found
+        if name not in self.values:
+            raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
+        return self.values[name]
+
+    def _matrix(self, node: Node, i: int) -> DeviceWeight:
+        name = node.inputs[i]
+        found = self.weights.matrices.get(name[2:]) if name.startswith("w:") else None
+        if found is None:
+            self._missing(node, name.removeprefix("w:"), "a stored matrix")
+        return found
+
+    def _missing(self, node: Node, weight: str, wanted: str) -> None:
+        why = self.weights.skipped.get(weight, "it is not a weight of the uploaded checkpoint")
+        raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the vulkan backend needs {wanted}: {why}")
+
+    def _optional(self, node: Node, i: int) -> DeviceArray | None:
+        return self._value(node, i) if i < len(node.inputs) and node.inputs[i] else None
+
+    # -- nodes ---------------------------------------------------------------------------------------
+
+    def _node(self, node: Node) -> Emitter | None:
+        handler: Callable[[Node], Emitter | None] | None = getattr(self, f"_op_{node.op}", None)
+        if handler is None:
+            raise Unsupported(Reason.OPERATION, node.op, "the vulkan backend has no kernel for it")
+        return handler(node)
+
+    def _op_embed(self, node: Node) -> Emitter:
+        table, ids = self._matrix(node, 0), self._value(node, 1)
+        out = self._new(node)
+        scale = node.attrs.get("scale")
+        scale = 1.0 if scale is None else float(scale)
+        flat = _view(out, (ids.size, table.cols))
+        return lambda rec, start: lin.embed(rec, table, ids, flat, scale)
+
+    def _op_rms_norm(self, node: Node) -> Emitter:
+        x, w = self._value(node, 0), self._value(node, 1)
+        out = self._new(node)
+        eps, offset = float(node.attrs["eps"]), float(node.attrs.get("offset") or 0.0)
+        return lambda rec, start: norms.rms_norm(rec, x, w, out, eps=eps, weight_offset=offset)
+
+    def _op_layer_norm(self, node: Node) -> Emitter:
+        x, w, b = self._value(node, 0), self._value(node, 1), self._optional(node, 2)
+        out = self._new(node)
+        eps = float(node.attrs["eps"])
+        return lambda rec, start: norms.layer_norm(rec, x, w, out, eps=eps, bias=b)
+
+    def _op_linear(self, node: Node) -> Emitter:
+        x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
+        out = self._new(node)
+        flat_x, flat_out = _view(x, (x.size // w.cols, w.cols)), _view(out, (x.size // w.cols, w.rows))
+        return lambda rec, start: lin.linear(rec, flat_x, w, flat_out, bias=b)
+
+    def _op_logits(self, node: Node) -> Emitter:
+        x, w = self._value(node, 0), self._matrix(node, 1)
+        out = self._new(node)
+        flat_x, flat_out = _view(x, (x.size // w.cols, w.cols)), _view(out, (x.size // w.cols, w.rows))
+        softcap = node.attrs.get("softcap")
+        if not softcap:
+            return lambda rec, start: lin.linear(rec, flat_x, w, flat_out)
+        raw = self._buffers.take(flat_out.shape)  # the uncapped logits, a buffer of their own
+
+        def emit(rec: Recorder, start: int) -> None:
+            lin.linear(rec, flat_x, w, raw)
+            ew.unary(rec, "softcap", raw, flat_out, float(softcap))
+
+        return emit
+
+    def _op_reshape(self, node: Node) -> None:
+        x = self._value(node, 0)
+        if math.prod(node.shape) != x.size:
+            raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
+        self._define(node.output, _view(x, tuple(node.shape)))
+        return None
+
+    def _op_rope(self, node: Node) -> Emitter:
+        x, positions = self._value(node, 0), self._value(node, 1)
+        if len(node.shape) != 4:
+            raise Unsupported(Reason.SHAPE, f"rope of {node.shape}", "rope takes [rows, tokens, heads, head_dim]")
+        _, tokens, heads, head_dim = node.shape
+        a = node.attrs
+        style = a.get("style", "neox")
+        if style not in ("neox", "interleaved"):
+            raise Unsupported(Reason.OPERATION, f"rope style {style}", "the vulkan rope has neox and interleaved")
+        scaling = _rope_scaling(dict(a.get("scaling") or {}))
+        key = (float(a["theta"]), int(a["dim"]), repr(sorted((scaling or {}).items())))
+        table = self._rope_tables.get(key)
+        if table is None:
+            inv = positional.rope_inv_freq(int(a["dim"]), float(a["theta"]), scaling)
+            table = self._rope_tables[key] = self.runtime.upload(inv)
+        # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
+        in_place = (node.inputs[0] in self.values and self._last_use.get(node.inputs[0]) == self._at
+                    and self._buffers.users.get(id(x.buffer)) == 1)
+        if in_place:
+            out = self._define(node.output, _view(x, tuple(node.shape)))
+        else:
+            out = self._new(node)
+        rotated = _view(out, (tokens, heads, head_dim))
+
+        def emit(rec: Recorder, start: int) -> None:
+            if not in_place:
+                copy_values(rec, x, out, x.size)
+            positional.rope(rec, rotated, positions, table, heads=heads, head_dim=head_dim, style=style)
+
+        return emit
+
+    def _op_attention(self, node: Node) -> Emitter:
+        q, k, v = self._value(node, 0), self._value(node, 1), self._value(node, 2)
+        k_name, v_name = node.inputs[4].removeprefix("s:"), node.inputs[5].removeprefix("s:")
+        spec = self.graph.state.get(k_name)
+        if spec is None or v_name not in self.graph.state:
+            raise Unsupported(Reason.OPERATION, "attention", "its KV state is not declared by the graph")
+        _, kv_heads, capacity, head_dim = spec.shape
+        _, tokens, heads, q_dim = q.shape
+        if self.graph.state[v_name].shape != spec.shape or q_dim != head_dim or v.shape[-1] != head_dim:
+            raise Unsupported(Reason.SHAPE, f"attention q {q.shape}, v {v.shape}",
+                              "the vulkan attention needs one head size for q, k and v")
+        if head_dim > attn.MAX_HEAD_DIM or heads % kv_heads:
+            raise Unsupported(Reason.SHAPE, f"attention {heads} heads over {kv_heads} of size {head_dim}",
+                              f"the vulkan attention needs head size <= {attn.MAX_HEAD_DIM} and whole groups")
+        if capacity != self.capacity:
+            raise Unsupported(Reason.SHAPE, f"attention capacity {capacity}", f"the step has {self.capacity}")
+        cache_shape = (capacity, kv_heads, head_dim)
+        k_cache = DeviceArray(Slot(k_name), cache_shape)
+        v_cache = DeviceArray(Slot(v_name), cache_shape)
+        k_new, v_new = _view(k, (tokens, kv_heads, head_dim)), _view(v, (tokens, kv_heads, head_dim))
+        q_flat = _view(q, (tokens, heads, head_dim))
+        out = self._new(node)
+        out_flat = _view(out, (tokens, heads, head_dim))
+        a = node.attrs
+        scale, window, softcap = float(a["scale"]), int(a.get("window") or 0), float(a.get("softcap") or 0.0)
+        splits = -(-capacity // DECODE_SPLIT)
+
+        def emit(rec: Recorder, start: int) -> None:
+            positional.kv_write(rec, k_new, k_cache, start)
+            positional.kv_write(rec, v_new, v_cache, start)
+            if tokens == 1:
+                attn.attention_decode(rec, q_flat, k_cache, v_cache, out_flat, position=start, scale=scale,
+                                      window=window, softcap=softcap, split_len=DECODE_SPLIT, splits=splits)
+            else:
+                attn.attention_prefill(rec, q_flat, k_cache, v_cache, out_flat, start=start, scale=scale,
+                                       window=window, softcap=softcap)
+
+        return emit
+
+    def _op_gated(self, node: Node) -> Emitter:
+        act = node.attrs.get("act", "silu")
+        if act not in GATED:
+            raise Unsupported(Reason.OPERATION, f"gated {act}", f"the vulkan kernels have {', '.join(GATED)}")
+        gate, up = self._value(node, 0), self._value(node, 1)
+        out = self._new(node)
+        return lambda rec, start: ew.gated_activation(rec, gate, up, out, act)
+
+    def _op_activation(self, node: Node) -> Emitter:
+        act = node.attrs.get("act")
+        if act not in ACTIVATIONS:
+            raise Unsupported(Reason.OPERATION, f"activation {act}",
+                              f"the vulkan kernels have {', '.join(ACTIVATIONS)}")
+        x = self._value(node, 0)
+        out = self._new(node)
+        return lambda rec, start: ew.unary(rec, act, x, out)
+
+    def _binary(self, node: Node, kernel: Callable[..., None]) -> Emitter:
+        a, b = self._value(node, 0), self._value(node, 1)
+        if a.size != b.size:
+            raise Unsupported(Reason.SHAPE, f"{node.op} of {a.shape} and {b.shape}",
+                              "the vulkan backend adds and multiplies equal shapes only")
+        out = self._new(node)
+        b_view = _view(b, a.shape)
+        return lambda rec, start: kernel(rec, a, b_view, out)
+
+    def _op_add(self, node: Node) -> Emitter:
+        return self._binary(node, ew.add)
+
+    def _op_mul(self, node: Node) -> Emitter:
+        return self._binary(node, ew.mul)
+
+    def _op_scale(self, node: Node) -> Emitter:
+        x = self._value(node, 0)
+        out = self._new(node)
+        factor = float(node.attrs["factor"])
+        return lambda rec, start: ew.unary(rec, "scale", x, out, factor)
+
+    def _op_last_position(self, node: Node) -> Emitter:
+        x = self._value(node, 0)
+        width = x.shape[-1]
+        out = self._new(node)
+        offset = (self.tokens - 1) * width
+        return lambda rec, start: copy_values(rec, x, out, width, offset)
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def run(self, state: dict[str, DeviceArray], inputs: dict[str, np.ndarray]) -> list[Output]:
+        start = self._write_inputs(inputs)
+        runtime = self.runtime
+        encoder = runtime.device.create_command_encoder()
+        self.step.encode(encoder, start, {name: array.buffer for name, array in state.items()})
+        results = []
+        for value in self.outputs:
+            nbytes = 4 * value.size
+            fresh = runtime.raw_buffer(nbytes)
+            encoder.copy_buffer_to_buffer(value.buffer, 0, fresh, 0, nbytes)
+            results.append(Output(runtime, fresh, tuple(value.shape)))
+        if self.ids is not None:
+            ids = runtime.raw_buffer(4 * self.ids.size)
+            encoder.copy_buffer_to_buffer(self.ids.buffer, 0, ids, 0, 4 * self.ids.size)
+            results[0].ids = ids
+        runtime.device.queue.submit([encoder.finish()])
+        return results
+
+    def _write_inputs(self, inputs: dict[str, np.ndarray]) -> int:
+        """Write the step's ids and positions; returns the start position."""
+        for name, target in self.inputs.items():
+            if name not in inputs:
+                raise RequestError(f"the step needs input {name!r}")
+            host = np.asarray(inputs[name])
+            if host.shape != (1, self.tokens):
+                raise RequestError(f"input {name!r} has shape {host.shape}, the step takes (1, {self.tokens})")
+            if host.min() < 0 or host.max() > np.iinfo(np.uint32).max:
+                raise RequestError(f"input {name!r} holds values outside 0..2^32-1")
+            self.runtime.write(target, host.reshape(-1).astype(np.uint32))
+        positions = np.asarray(inputs.get("positions", np.zeros((1, self.tokens), dtype=np.int64)))
+        start = int(positions[0, 0])
+        if np.any(positions[0] != start + np.arange(self.tokens)):
+            raise RequestError("positions must be consecutive within a step")
+        if start + self.tokens > self.capacity:
+            raise CapacityError(f"positions up to {start + self.tokens} exceed the KV capacity of {self.capacity}")
+        return start
