@@ -22,8 +22,9 @@ class VulkanExecutor:
 
     def capabilities(self) -> Capabilities:
         features = ", ".join(sorted(self.runtime.features)) or "none"
-        return Capabilities(VULKAN_OPS, WEIGHT_KINDS,
-                            notes=f"{self.runtime.adapter.info.get('device', '?')}; features: {features}")
+        return Capabilities(
+            VULKAN_OPS, WEIGHT_KINDS, notes=f"{self.runtime.adapter.info.get('device', '?')}; features: {features}"
+        )
 
     def upload(self, store: Any) -> DeviceWeights:
         return upload_store(self.runtime, store)

@@ -23,5 +23,13 @@ def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
 
 @hookimpl
 def poot_register_backends() -> list[BackendSpec]:
-    return [BackendSpec("vulkan", _open, probe=probe, priority=20, aliases=("wgpu",),
-                        description="WGSL compute shaders through wgpu on a Vulkan device")]
+    return [
+        BackendSpec(
+            "vulkan",
+            _open,
+            probe=probe,
+            priority=20,
+            aliases=("wgpu",),
+            description="WGSL compute shaders through wgpu on a Vulkan device",
+        )
+    ]

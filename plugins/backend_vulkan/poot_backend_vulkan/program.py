@@ -27,10 +27,24 @@ from .kernels.weights import DeviceWeight
 from .replay import Emitter, RecordedStep, Recorder, Slot
 from .upload import DeviceWeights
 
-VULKAN_OPS = frozenset({
-    "embed", "rms_norm", "layer_norm", "linear", "reshape", "rope", "attention", "gated", "activation",
-    "add", "mul", "scale", "last_position", "logits",
-})
+VULKAN_OPS = frozenset(
+    {
+        "embed",
+        "rms_norm",
+        "layer_norm",
+        "linear",
+        "reshape",
+        "rope",
+        "attention",
+        "gated",
+        "activation",
+        "add",
+        "mul",
+        "scale",
+        "last_position",
+        "logits",
+    }
+)
 GATED = ("silu", "gelu_tanh")
 ACTIVATIONS = ("silu", "gelu_tanh", "relu")
 DECODE_SPLIT = 256  # KV positions per workgroup of split-K decode attention
@@ -63,10 +77,13 @@ def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
     if kind in (None, "default"):
         return None
     if kind == "llama3":
-        return {"rope_type": "llama3", "factor": scaling["factor"],
-                "low_freq_factor": scaling.get("low_freq_factor", 1.0),
-                "high_freq_factor": scaling.get("high_freq_factor", 4.0),
-                "original_max_position_embeddings": scaling.get("original_max_position_embeddings", 8192)}
+        return {
+            "rope_type": "llama3",
+            "factor": scaling["factor"],
+            "low_freq_factor": scaling.get("low_freq_factor", 1.0),
+            "high_freq_factor": scaling.get("high_freq_factor", 4.0),
+            "original_max_position_embeddings": scaling.get("original_max_position_embeddings", 8192),
+        }
     if kind == "linear":
         return {"rope_type": "linear", "factor": scaling["factor"]}
     raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "the vulkan rope has default, linear and llama3")
@@ -257,8 +274,11 @@ class VulkanProgram:
             inv = positional.rope_inv_freq(int(a["dim"]), float(a["theta"]), scaling)
             table = self._rope_tables[key] = self.runtime.upload(inv)
         # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
-        in_place = (node.inputs[0] in self.values and self._last_use.get(node.inputs[0]) == self._at
-                    and self._buffers.users.get(id(x.buffer)) == 1)
+        in_place = (
+            node.inputs[0] in self.values
+            and self._last_use.get(node.inputs[0]) == self._at
+            and self._buffers.users.get(id(x.buffer)) == 1
+        )
         if in_place:
             out = self._define(node.output, _view(x, tuple(node.shape)))
         else:
@@ -281,11 +301,17 @@ class VulkanProgram:
         _, kv_heads, capacity, head_dim = spec.shape
         _, tokens, heads, q_dim = q.shape
         if self.graph.state[v_name].shape != spec.shape or q_dim != head_dim or v.shape[-1] != head_dim:
-            raise Unsupported(Reason.SHAPE, f"attention q {q.shape}, v {v.shape}",
-                              "the vulkan attention needs one head size for q, k and v")
+            raise Unsupported(
+                Reason.SHAPE,
+                f"attention q {q.shape}, v {v.shape}",
+                "the vulkan attention needs one head size for q, k and v",
+            )
         if head_dim > attn.MAX_HEAD_DIM or heads % kv_heads:
-            raise Unsupported(Reason.SHAPE, f"attention {heads} heads over {kv_heads} of size {head_dim}",
-                              f"the vulkan attention needs head size <= {attn.MAX_HEAD_DIM} and whole groups")
+            raise Unsupported(
+                Reason.SHAPE,
+                f"attention {heads} heads over {kv_heads} of size {head_dim}",
+                f"the vulkan attention needs head size <= {attn.MAX_HEAD_DIM} and whole groups",
+            )
         if capacity != self.capacity:
             raise Unsupported(Reason.SHAPE, f"attention capacity {capacity}", f"the step has {self.capacity}")
         cache_shape = (capacity, kv_heads, head_dim)
@@ -303,11 +329,23 @@ class VulkanProgram:
             positional.kv_write(rec, k_new, k_cache, start)
             positional.kv_write(rec, v_new, v_cache, start)
             if tokens == 1:
-                attn.attention_decode(rec, q_flat, k_cache, v_cache, out_flat, position=start, scale=scale,
-                                      window=window, softcap=softcap, split_len=DECODE_SPLIT, splits=splits)
+                attn.attention_decode(
+                    rec,
+                    q_flat,
+                    k_cache,
+                    v_cache,
+                    out_flat,
+                    position=start,
+                    scale=scale,
+                    window=window,
+                    softcap=softcap,
+                    split_len=DECODE_SPLIT,
+                    splits=splits,
+                )
             else:
-                attn.attention_prefill(rec, q_flat, k_cache, v_cache, out_flat, start=start, scale=scale,
-                                       window=window, softcap=softcap)
+                attn.attention_prefill(
+                    rec, q_flat, k_cache, v_cache, out_flat, start=start, scale=scale, window=window, softcap=softcap
+                )
 
         return emit
 
@@ -322,8 +360,9 @@ class VulkanProgram:
     def _op_activation(self, node: Node) -> Emitter:
         act = node.attrs.get("act")
         if act not in ACTIVATIONS:
-            raise Unsupported(Reason.OPERATION, f"activation {act}",
-                              f"the vulkan kernels have {', '.join(ACTIVATIONS)}")
+            raise Unsupported(
+                Reason.OPERATION, f"activation {act}", f"the vulkan kernels have {', '.join(ACTIVATIONS)}"
+            )
         x = self._value(node, 0)
         out = self._new(node)
         return lambda rec, start: ew.unary(rec, act, x, out)
@@ -331,8 +370,11 @@ class VulkanProgram:
     def _binary(self, node: Node, kernel: Callable[..., None]) -> Emitter:
         a, b = self._value(node, 0), self._value(node, 1)
         if a.size != b.size:
-            raise Unsupported(Reason.SHAPE, f"{node.op} of {a.shape} and {b.shape}",
-                              "the vulkan backend adds and multiplies equal shapes only")
+            raise Unsupported(
+                Reason.SHAPE,
+                f"{node.op} of {a.shape} and {b.shape}",
+                "the vulkan backend adds and multiplies equal shapes only",
+            )
         out = self._new(node)
         b_view = _view(b, a.shape)
         return lambda rec, start: kernel(rec, a, b_view, out)

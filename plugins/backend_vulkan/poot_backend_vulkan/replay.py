@@ -79,13 +79,15 @@ class RecordedStep:
                     uniform = static.get(a.params)
                     if uniform is None:
                         uniform = static[a.params] = runtime.device.create_buffer_with_data(
-                            data=a.params, usage=uniform_usage)
+                            data=a.params, usage=uniform_usage
+                        )
                 else:  # params are affine in the start, so agreeing at two starts means agreeing at all
                     found = dynamic.get((a.params, b.params))
                     if found is None:
                         size = len(a.params)
                         found = dynamic[(a.params, b.params)] = _Dynamic(
-                            emit, index, runtime.device.create_buffer(size=size, usage=uniform_usage))
+                            emit, index, runtime.device.create_buffer(size=size, usage=uniform_usage)
+                        )
                     uniform = found.uniform
                 self._records.append((a, uniform))
         self._dynamic = list(dynamic.values())

@@ -58,15 +58,20 @@ def upload_store(runtime: Runtime, store: Any) -> DeviceWeights:
         if isinstance(w, PackedWeight):
             gguf_type = w.meta.get("type")
             if w.layout != "gguf" or gguf_type not in GGUF_TYPES or "blocks" not in w.parts:
-                raise Unsupported(Reason.QUANTIZATION, f"{kind} (tensor {name})",
-                                  f"the vulkan backend computes from f32, f16, bf16 and GGUF "
-                                  f"{', '.join(GGUF_TYPES)}")
+                raise Unsupported(
+                    Reason.QUANTIZATION,
+                    f"{kind} (tensor {name})",
+                    f"the vulkan backend computes from f32, f16, bf16 and GGUF {', '.join(GGUF_TYPES)}",
+                )
             blocks = w.parts["blocks"].detach().contiguous().numpy()
             out.matrices[name] = upload_weight(runtime, blocks, gguf_type, (w.shape[0], w.shape[1]))
             continue
         if kind not in DENSE_FORMATS:
-            raise Unsupported(Reason.QUANTIZATION, f"{kind} (tensor {name})",
-                              "the vulkan backend computes from f32, f16 and bf16 dense weights")
+            raise Unsupported(
+                Reason.QUANTIZATION,
+                f"{kind} (tensor {name})",
+                "the vulkan backend computes from f32, f16 and bf16 dense weights",
+            )
         if w.dim() == 1:
             out.vectors[name] = _vector(runtime, w)
         elif w.dim() == 2:

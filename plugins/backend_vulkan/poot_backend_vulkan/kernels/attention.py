@@ -54,9 +54,7 @@ def attention_prefill(
     pipeline = batch.runtime.pipeline("attention", shader_source("attention"))
     stats = batch.runtime.scratch("attention.stats", 8 * tokens * heads)
     params = _params(tokens, heads, kv_heads, head_dim, start, window, 1, start + tokens, scale, softcap)
-    batch.dispatch(
-        pipeline, [q.buffer, k_cache.buffer, v_cache.buffer, out.buffer, stats], params, (heads, tokens, 1)
-    )
+    batch.dispatch(pipeline, [q.buffer, k_cache.buffer, v_cache.buffer, out.buffer, stats], params, (heads, tokens, 1))
 
 
 def attention_decode(
@@ -93,13 +91,9 @@ def attention_decode(
     params = _params(1, heads, kv_heads, head_dim, position, window, splits, split_len, scale, softcap)
     attend = runtime.pipeline("attention", shader_source("attention"))
     if splits == 1:  # a short cache: one pass writes the normalised output, no merge needed
-        batch.dispatch(
-            attend, [q.buffer, k_cache.buffer, v_cache.buffer, out.buffer, stats], params, (heads, 1, 1)
-        )
+        batch.dispatch(attend, [q.buffer, k_cache.buffer, v_cache.buffer, out.buffer, stats], params, (heads, 1, 1))
         return
     partial = runtime.scratch("attention.partial", 4 * heads * splits * head_dim)
-    batch.dispatch(
-        attend, [q.buffer, k_cache.buffer, v_cache.buffer, partial, stats], params, (heads, 1, splits)
-    )
+    batch.dispatch(attend, [q.buffer, k_cache.buffer, v_cache.buffer, partial, stats], params, (heads, 1, splits))
     combine = runtime.pipeline("attention_combine", shader_source("attention_combine"))
     batch.dispatch(combine, [partial, stats, out.buffer], pack_params(heads, head_dim, splits), (heads, 1, 1))

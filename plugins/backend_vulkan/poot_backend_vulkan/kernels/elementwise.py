@@ -37,9 +37,7 @@ def _elementwise(
 def gated_activation(batch: Batch, gate: DeviceArray, up: DeviceArray, out: DeviceArray, kind: str) -> None:
     """out = act(gate) * up elementwise; kind is "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh form)."""
     if kind not in ("silu", "gelu_tanh"):
-        raise Unsupported(
-            Reason.OPERATION, f"activation:{kind}", "the Vulkan kernels have silu and gelu_tanh"
-        )
+        raise Unsupported(Reason.OPERATION, f"activation:{kind}", "the Vulkan kernels have silu and gelu_tanh")
     _elementwise(batch, kind, gate, up, out)
 
 
@@ -63,9 +61,7 @@ def unary(batch: Batch, kind: str, x: DeviceArray, out: DeviceArray, constant: f
 
 def argmax(batch: Batch, logits: DeviceArray, ids: DeviceArray) -> None:
     """ids[r] = argmax(logits[r, :]) as u32, lowest index on ties; logits is [rows, vocab]."""
-    rows, cols = (
-        (1, logits.size) if len(logits.shape) == 1 else (logits.size // logits.shape[-1], logits.shape[-1])
-    )
+    rows, cols = (1, logits.size) if len(logits.shape) == 1 else (logits.size // logits.shape[-1], logits.shape[-1])
     check("argmax.ids", ids, (rows,), "u32")
     pipeline = batch.runtime.pipeline("argmax", shader_source("argmax"))
     batch.dispatch(pipeline, [logits.buffer, ids.buffer], pack_params(cols), (rows, 1, 1))

@@ -39,9 +39,7 @@ def linear(
         batch.dispatch(pipeline, buffers, params, (gx, token_groups, gz))
 
 
-def embed(
-    batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0
-) -> None:
+def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0) -> None:
     """out[T, K] = scale * table[ids[t], :] widened to f32; one dispatch per row-chunk of the table.
 
     Ids outside the table leave their output row untouched (the caller validates token ids).
@@ -53,6 +51,4 @@ def embed(
     units = -(-table.cols // 32)
     for chunk in table.chunks:
         params = pack_params(chunk.rows, table.cols, chunk.row_start, table.cols, tokens, float(scale))
-        batch.dispatch(
-            pipeline, [chunk.buffer, ids.buffer, out.buffer], params, grid_1d(-(-tokens * units // 64))
-        )
+        batch.dispatch(pipeline, [chunk.buffer, ids.buffer, out.buffer], params, grid_1d(-(-tokens * units // 64)))

@@ -33,13 +33,9 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: Mapping[str, float | str]
         wavelen = 2 * math.pi / inv
         smooth = (original / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv / factor + smooth * inv
-        inv = np.where(
-            wavelen > original / low, inv / factor, np.where(wavelen < original / high, inv, blended)
-        )
+        inv = np.where(wavelen > original / low, inv / factor, np.where(wavelen < original / high, inv, blended))
     else:
-        raise Unsupported(
-            Reason.OPERATION, f"rope:{kind}", "the Vulkan rope reads default, linear and llama3"
-        )
+        raise Unsupported(Reason.OPERATION, f"rope:{kind}", "the Vulkan rope reads default, linear and llama3")
     return inv.astype(np.float32)
 
 

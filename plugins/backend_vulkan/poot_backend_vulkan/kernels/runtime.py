@@ -89,24 +89,18 @@ class Runtime:
         self.max_buffer_bytes = int(self.device.limits["max-buffer-size"])
         self._pipelines: dict[tuple[str, str], Any] = {}
         self._scratch: dict[str, Any] = {}
-        self._usage = (
-            self.wgpu.BufferUsage.STORAGE | self.wgpu.BufferUsage.COPY_SRC | self.wgpu.BufferUsage.COPY_DST
-        )
+        self._usage = self.wgpu.BufferUsage.STORAGE | self.wgpu.BufferUsage.COPY_SRC | self.wgpu.BufferUsage.COPY_DST
 
     # -- buffers -----------------------------------------------------------------------------------
 
     def raw_buffer(self, nbytes: int) -> Any:
         size = max(4, (int(nbytes) + 3) // 4 * 4)
         if size > self.max_buffer_bytes:
-            raise CapacityError(
-                f"a {size}-byte buffer exceeds the device's maxBufferSize {self.max_buffer_bytes}"
-            )
+            raise CapacityError(f"a {size}-byte buffer exceeds the device's maxBufferSize {self.max_buffer_bytes}")
         return self.device.create_buffer(size=size, usage=self._usage)
 
     def raw_upload(self, data: bytes | memoryview | np.ndarray) -> Any:
-        payload = (
-            np.ascontiguousarray(data).view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else data
-        )
+        payload = np.ascontiguousarray(data).view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else data
         nbytes = len(memoryview(payload).cast("B"))
         if nbytes % 4 or nbytes == 0:  # buffers are read as u32 words: pad the tail with zeros
             padded = np.zeros(max(4, (nbytes + 3) // 4 * 4), dtype=np.uint8)
@@ -168,12 +162,8 @@ def shader_source(*names: str) -> str:
 
 def pack_params(*values: int | float) -> bytes:
     """Pack scalar kernel parameters as 4-byte u32 (Python int) or f32 (Python float), padded to 16."""
-    fields = "".join(
-        "I" if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else "f" for v in values
-    )
-    data = struct.pack(
-        "<" + fields, *[int(v) if f == "I" else float(v) for f, v in zip(fields, values, strict=True)]
-    )
+    fields = "".join("I" if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else "f" for v in values)
+    data = struct.pack("<" + fields, *[int(v) if f == "I" else float(v) for f, v in zip(fields, values, strict=True)])
     return data + b"\0" * (16 - len(data) % 16 if len(data) % 16 or not data else 0)
 
 
@@ -194,17 +184,13 @@ class Batch:
         self._pass = self.encoder.begin_compute_pass()
         self.dispatches = 0
 
-    def dispatch(
-        self, pipeline: Any, buffers: list[Any], params: bytes, groups: tuple[int, int, int]
-    ) -> None:
+    def dispatch(self, pipeline: Any, buffers: list[Any], params: bytes, groups: tuple[int, int, int]) -> None:
         """Bind params at binding 0 (uniform) and `buffers` at bindings 1.., then dispatch."""
         device = self.runtime.device
         uniform = device.create_buffer_with_data(data=params, usage=self.runtime.wgpu.BufferUsage.UNIFORM)
         entries = [{"binding": 0, "resource": {"buffer": uniform, "offset": 0, "size": uniform.size}}]
         for index, buffer in enumerate(buffers, start=1):
-            entries.append(
-                {"binding": index, "resource": {"buffer": buffer, "offset": 0, "size": buffer.size}}
-            )
+            entries.append({"binding": index, "resource": {"buffer": buffer, "offset": 0, "size": buffer.size}})
         group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
         self._pass.set_pipeline(pipeline)
         self._pass.set_bind_group(0, group)

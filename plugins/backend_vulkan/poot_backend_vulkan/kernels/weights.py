@@ -90,13 +90,10 @@ def upload_weight(runtime: Runtime, data: np.ndarray, fmt: str, shape: tuple[int
     rows_per_chunk = runtime.max_binding_bytes // row_bytes
     if rows_per_chunk == 0:
         raise CapacityError(
-            f"one {fmt} row of {row_bytes} bytes exceeds the storage binding limit "
-            f"{runtime.max_binding_bytes}"
+            f"one {fmt} row of {row_bytes} bytes exceeds the storage binding limit {runtime.max_binding_bytes}"
         )
     chunks = [
-        WeightChunk(
-            start, min(rows_per_chunk, rows - start), runtime.raw_upload(flat[start : start + rows_per_chunk])
-        )
+        WeightChunk(start, min(rows_per_chunk, rows - start), runtime.raw_upload(flat[start : start + rows_per_chunk]))
         for start in range(0, rows, rows_per_chunk)
     ]
     return DeviceWeight(form, rows, cols, chunks)
