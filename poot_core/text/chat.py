@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
@@ -61,9 +62,23 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"a template may not set {name!r} on a namespace")
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it only renders."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+                                                       extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
