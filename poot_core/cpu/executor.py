@@ -135,6 +135,14 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
     if op == "logits":
         x, w = args
         return lambda e, s: ops.logits(x(e, s), w(e, s), a["softcap"])
+    if op == "moe":
+        from poot_core.cpu import moe
+
+        return moe.bind(node, args, get)
+    if op == "mla_attention":
+        from poot_core.cpu import mla
+
+        return mla.bind(node, args, get)
     raise Unsupported(Reason.OPERATION, op, "the cpu backend has no implementation for it")
 
 

@@ -188,3 +188,45 @@ class Tracer:
         if not shape.all_logits:
             x = self.last_position(x)
         self.output(self.logits(x, head, softcap))
+
+    # --- mixture of experts and latent attention (poot-family-moe) ----------------------------------------
+    def moe(self, x: Value, router: Value, experts: tuple[Value, Value, Value] | list[tuple[Value, Value, Value]],
+            *, top_k: int, scoring: str = "softmax", norm_topk: bool = True, routed_scale: float = 1.0,
+            groups: int = 1, topk_groups: int = 1, group_score: str = "max", bias: Value | None = None,
+            shared: Value | None = None, shared_gate: Value | None = None, act: str = "silu") -> Value:
+        """Route each token of x [R, T, D] to `top_k` experts and sum their gated MLPs, weighted.
+
+        router [E, D]: scores = softmax or sigmoid of x @ router^T (float32). `bias` [E] is added for the
+        choice only (DeepSeek V3's correction bias); with groups > 1 the experts are split into `groups`
+        groups, each scored by its best expert ("max") or the sum of its two best ("top2"), and only the
+        `topk_groups` best groups are eligible. Chosen weights are renormalized when `norm_topk`, then
+        multiplied by `routed_scale`.
+        experts: stacked (gate [E, F, D], up [E, F, D], down [E, D, F]) as GGUF stores them, or a list of
+        (gate [F, D], up [F, D], down [D, F]) per expert as Hugging Face stores them; either may be packed.
+        shared: an already computed shared-expert output [R, T, D] added to the result, scaled by
+        sigmoid(x @ shared_gate^T) when shared_gate [1, D] is given (Qwen2-MoE)."""
+        stacked = isinstance(experts, tuple)
+        weights = list(experts) if stacked else [w for triple in experts for w in triple]
+        count = experts[0].shape[0] if stacked else len(experts)
+        return self.op("moe", (x, router, bias, shared, shared_gate, *weights), x.shape, experts=count,
+                       stacked=stacked, top_k=top_k, scoring=scoring, norm_topk=norm_topk,
+                       routed_scale=routed_scale, groups=groups, topk_groups=topk_groups,
+                       group_score=group_score, act=act)
+
+    def mla_attention(self, q: Value, kv: Value, positions: Value, kv_norm: Value, kv_b: Value, *, layer: int,
+                      capacity: int, scale: float, nope_dim: int, rope_dim: int, v_dim: int, eps: float,
+                      theta: float, style: str = "interleaved",
+                      scaling: dict[str, Any] | None = None) -> Value:
+        """Multi-head latent attention (DeepSeek V2/V3), causal, through the layer's compressed KV state.
+
+        q [R, T, H, nope_dim + rope_dim] (before rope); kv [R, T, L + rope_dim]: the kv_a projection, whose
+        first L features are the latent (RMS-normed here with kv_norm [L]) and the rest the rope key shared by
+        all heads (rotated here). The state keeps latent and rotated key, [R, 1, C, L + rope_dim]: that is
+        all the cache holds per token. kv_b [H * (nope_dim + v_dim), L] expands the latent to each head's
+        key (no rope part) and value. Output [R, T, H, v_dim]."""
+        rows, tokens, heads, _ = q.shape
+        width = kv.shape[-1]
+        cache = self.state(f"latent{layer}", (rows, 1, capacity, width), "latent")
+        return self.op("mla_attention", (q, kv, positions, kv_norm, kv_b, cache), (rows, tokens, heads, v_dim),
+                       layer=layer, scale=scale, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim, eps=eps,
+                       theta=theta, style=style, scaling=dict(scaling or {}))

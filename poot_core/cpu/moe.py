@@ -1,0 +1,129 @@
+"""The CPU executor's mixture-of-experts op: route, then run only the experts tokens were sent to.
+
+Tokens are grouped by expert (one sort of the (token, slot) choices), so each chosen expert runs once on all
+of its tokens and an expert no token chose costs nothing. Experts are used where they lie: a stacked
+[E, out, in] tensor (GGUF's `ffn_*_exps`, dense or packed) is viewed per expert, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from poot_core.checkpoint.layouts import PackedWeight, Weight
+from poot_core.cpu import ops
+from poot_core.errors import Reason, Unsupported
+from poot_core.graph import Node
+
+Expert = tuple[Weight, Weight, Weight]  # gate [F, D], up [F, D], down [D, F]
+
+
+def expert_slice(w: Weight, e: int) -> Weight:
+    """Expert e of a stacked [E, out, in] weight, as a view."""
+    if isinstance(w, PackedWeight):
+        if set(w.parts) != {"blocks"}:
+            raise Unsupported(Reason.QUANTIZATION, f"stacked experts in {w.kind}", "only GGUF blocks stack")
+        count, out_features, in_features = w.shape
+        blocks = w.parts["blocks"][e * out_features : (e + 1) * out_features]
+        return PackedWeight(w.layout, (out_features, in_features), {"blocks": blocks}, w.meta)
+    return w[e]
+
+
+def experts_of(weights: list[Weight], count: int, stacked: bool) -> list[Expert]:
+    if stacked:
+        gate, up, down = weights
+        return [(expert_slice(gate, e), expert_slice(up, e), expert_slice(down, e)) for e in range(count)]
+    return [(weights[3 * e], weights[3 * e + 1], weights[3 * e + 2]) for e in range(count)]
+
+
+def _router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
+    """x @ router^T in float32: the choice of experts must not depend on the weights' storage dtype."""
+    if isinstance(router, PackedWeight):
+        return ops.linear(x, router)
+    return F.linear(x, router.float())
+
+
+def route(
+    x: torch.Tensor, router: Weight, bias: torch.Tensor | None, a: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (expert ids [N, k], weights [N, k] float32)."""
+    logits = _router_logits(x, router)
+    scores = torch.sigmoid(logits) if a["scoring"] == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    groups = a["groups"]
+    if groups > 1:
+        n, count = choice.shape
+        grouped = choice.view(n, groups, count // groups)
+        if a["group_score"] == "top2":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best = group_scores.topk(a["topk_groups"], dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(count // groups, dim=1), float("-inf"))
+    ids = choice.topk(a["top_k"], dim=-1).indices
+    weights = scores.gather(1, ids)
+    if a["norm_topk"]:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * a["routed_scale"]
+
+
+def run_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[Expert], act: str
+) -> torch.Tensor:
+    """x [N, D]; ids, weights [N, k] -> [N, D]: each chosen expert once, over the tokens that chose it."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens_sorted = order // k
+    weights_sorted = weights.reshape(-1)[order]
+    out = torch.zeros(n, x.shape[-1])
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        tok = tokens_sorted[start : start + c]
+        gate, up, down = experts[e]
+        h = x[tok]
+        y = ops.linear(ops.gated(ops.linear(h, gate), ops.linear(h, up), act), down)
+        out.index_add_(0, tok, y * weights_sorted[start : start + c, None])
+        start += c
+    return out
+
+
+def moe(
+    x: torch.Tensor,
+    router: Weight,
+    bias: torch.Tensor | None,
+    shared: torch.Tensor | None,
+    shared_gate: Weight | None,
+    experts: list[Expert],
+    a: dict[str, Any],
+) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    ids, weights = route(flat, router, bias, a)
+    out = run_experts(flat, ids, weights, experts, a["act"]).reshape(shape)
+    if shared is not None:
+        if shared_gate is not None:
+            shared = shared * torch.sigmoid(ops.linear(x, shared_gate))
+        out = out + shared
+    return out
+
+
+def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[str], Any]) -> Callable[..., torch.Tensor]:
+    """The executor's binding: inputs (x, router, bias, shared, shared_gate, expert weights...)."""
+    a = node.attrs
+    if a["scoring"] not in ("softmax", "sigmoid") or a["group_score"] not in ("max", "top2"):
+        raise Unsupported(Reason.OPERATION, f"moe scoring {a['scoring']}/{a['group_score']}", "cpu backend")
+    x, _, bias, shared, _ = args[:5]
+    router = get(node.inputs[1])
+    gate = get(node.inputs[4]) if node.inputs[4] else None
+    if isinstance(gate, torch.Tensor) and gate.dim() == 1:  # some files store the shared gate as [D]
+        gate = gate.view(1, -1)
+    experts = experts_of([get(name) for name in node.inputs[5:]], a["experts"], a["stacked"])
+    return lambda e, s: moe(x(e, s), router, bias(e, s), shared(e, s), gate, experts, a)

@@ -1,0 +1,255 @@
+"""The mixture-of-experts family against transformers' float32 forward on tiny random checkpoints (Hugging Face
+and GGUF written with llama.cpp's names), the latent attention cache size, and routing that skips experts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+import tiny
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
+from poot_core.cpu import moe as cpu_moe
+
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+EXPERTS = 8
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # longer than prefill_chunk (16) and mixtral's window (8)
+
+
+def moe_config(arch: str) -> Any:
+    common: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            **common,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        )
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        )
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
+    latent = dict(
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=EXPERTS,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    )
+    if arch == "deepseek_v2":  # no q LoRA, grouped greedy routing
+        return tf.DeepseekV2Config(
+            **common, **latent, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5
+        )
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            **common, **latent, q_lora_rank=48, routed_scaling_factor=2.5, num_nextn_predict_layers=1
+        )
+    raise ValueError(arch)
+
+
+def _add_mtp_layer(path: Path, config: Any) -> list[str]:
+    """Real DeepSeek V3 checkpoints carry the next-token-prediction layer as model.layers.<layers>.*;
+    transformers drops it, poot keeps it in the store."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    layer, d = config.num_hidden_layers, config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    extra = {
+        f"model.layers.{layer}.eh_proj.weight": torch.randn(d, 2 * d, generator=g),
+        f"model.layers.{layer}.enorm.weight": torch.ones(d),
+        f"model.layers.{layer}.hnorm.weight": torch.ones(d),
+        f"model.layers.{layer}.shared_head.norm.weight": torch.ones(d),
+    }
+    dtype = tensors["model.norm.weight"].dtype
+    tensors.update({k: v.to(dtype) for k, v in extra.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+    return list(extra)
+
+
+def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
+    config = moe_config(arch)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    tiny._randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer: give the choice bias a real effect
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
+    model.to(dtype).save_pretrained(path)
+    tiny.save_tokenizer(path)
+    if arch == "deepseek_v3":
+        _add_mtp_layer(path, config)
+    return path
+
+
+_BUILT: dict[tuple[str, str], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
+        key = (arch, str(dtype))
+        if key not in _BUILT:
+            _BUILT[key] = build(tmp_path_factory.mktemp(f"{arch}-{str(dtype)[6:]}"), arch, dtype)
+        return _BUILT[key]
+
+    return make
+
+
+def _driver(path: Path) -> Driver:
+    return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(checkpoint, arch, dtype, bound):
+    path = checkpoint(arch, dtype)
+    ours = _driver(path).logits(PROMPT)
+    ref = tiny.reference_logits(path, PROMPT)
+    assert ours.shape == tuple(ref.shape)
+    assert tiny.rel_error(ours, ref) <= bound
+
+
+def _reference_greedy(path: Path, n: int) -> list[int]:
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([PROMPT[:20]]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, 20:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(checkpoint, arch):
+    path = checkpoint(arch)
+    ours = _driver(path).serve().generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True)).tokens
+    assert ours == _reference_greedy(path, 12)
+
+
+def test_routing_runs_only_chosen_experts(checkpoint, monkeypatch):
+    """Over the prompt every expert of every sparse layer gets tokens; a decode step runs top_k of them."""
+    calls: list[set[int]] = []
+    real = cpu_moe.run_experts
+
+    def spy(x, ids, weights, experts, act):
+        calls.append(set(ids.reshape(-1).tolist()))
+        return real(x, ids, weights, experts, act)
+
+    monkeypatch.setattr(cpu_moe, "run_experts", spy)
+    driver = _driver(checkpoint("mixtral")).serve()
+    driver.generate(GenerateRequest(PROMPT, max_new=3, ignore_eos=True))
+    layers = 3
+    prefill, decode = calls[: layers * 3], calls[layers * 3 :]  # 40 prompt tokens: 3 chunks of 16
+    for layer in range(layers):
+        assert set().union(*prefill[layer::layers]) == set(range(EXPERTS))
+    assert decode and all(len(hit) == 2 for hit in decode)
+
+
+def test_latent_cache_holds_latent_and_rope_key_only(checkpoint):
+    path = checkpoint("deepseek_v3")
+    config = json.loads((path / "config.json").read_text())
+    driver = _driver(path)
+    driver.logits(PROMPT[:8])
+    state = driver._state[1]
+    per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]  # 32 + 8
+    layers, capacity = config["num_hidden_layers"], driver.options.capacity
+    assert sorted(state) == [f"latent{i}" for i in range(layers)]
+    assert all(tuple(buf.shape) == (1, 1, capacity, per_token) for buf in state.values())
+    total = sum(buf.numel() for buf in state.values())
+    expanded = (
+        layers
+        * capacity
+        * config["num_attention_heads"]
+        * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"] + config["v_head_dim"])
+    )
+    print(f"latent cache: {total} values ({per_token} per token per layer); expanded K/V would be {expanded}")
+    assert total == layers * capacity * per_token
+    assert 4 * total <= expanded
+
+
+def test_mtp_weights_are_kept_not_traced(checkpoint):
+    path = checkpoint("deepseek_v3")
+    handle = ModelHandle.load(path)
+    mtp = [n for n in handle.store().names() if n.startswith("model.layers.3.")]
+    assert "model.layers.3.eh_proj.weight" in mtp
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=32, prefill_chunk=16))
+    graph_weights = set()
+    driver.logits(PROMPT[:4])
+    for prog in driver._programs.values():
+        graph_weights |= set(prog.graph.weights)
+    assert not graph_weights & set(mtp)
+
+
+def test_absorbed_and_expanded_latent_attention_agree():
+    """The packed-kv_b path (expanded K/V) and the dense path (absorbed projections) compute one function."""
+    from poot_core.checkpoint.layouts import PackedWeight
+    from poot_core.cpu import mla, ops
+
+    g = torch.Generator().manual_seed(0)
+    heads, dn, dr, dv, latent, tokens = 3, 8, 4, 6, 32, 5
+    q = torch.randn(1, tokens, heads, dn + dr, generator=g)
+    kv = torch.randn(1, tokens, latent + dr, generator=g)
+    kv_b = torch.randn(heads * (dn + dv), latent, generator=g)
+    pos = torch.arange(tokens)[None]
+    cos, sin = ops.rope_tables(pos, 10000.0, dr, {})
+    a = {"nope_dim": dn, "rope_dim": dr, "v_dim": dv, "eps": 1e-6, "style": "interleaved", "scale": 0.3}
+    import gguf
+
+    blocks = gguf.quants.quantize(kv_b.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    packed_b = PackedWeight("gguf", tuple(kv_b.shape), {"blocks": torch.from_numpy(blocks)}, {"type": "Q8_0"})
+    dense_b = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).copy())
+    outs = [
+        mla.mla_attention(q, kv, pos, torch.ones(latent), w, torch.zeros(1, 1, 8, latent + dr), cos, sin, a)
+        for w in (dense_b, packed_b)
+    ]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-4)
