@@ -139,3 +139,23 @@ def test_ctrl_c_stops_cleanly_and_prints_timings():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert "decode:" in err and "Traceback" not in err
+
+
+def test_progress_bar_only_for_large_checkpoints_on_a_terminal(tmp_path):
+    import io
+
+    from poot_core.cli import progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    big = tmp_path / "model.gguf"
+    with open(big, "wb") as f:
+        f.truncate(progress.LARGE + 1)
+    shown = Tty()
+    assert progress.warm_with_progress(big, shown) and "loading [" in shown.getvalue()
+    assert not progress.warm_with_progress(big, io.StringIO())  # not a terminal
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"x")
+    assert not progress.warm_with_progress(small, Tty())

@@ -141,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
     session = Session(args, template)
 
     from poot_core import Driver, DriverOptions, ModelHandle, open_executor
+    from poot_core.cli.progress import warm_with_progress
 
     t0 = time.perf_counter()
+    warm_with_progress(model)
     handle = ModelHandle.load(model)
     config = handle.config()
     ctx = args.ctx_size or config.max_positions
