@@ -184,8 +184,7 @@ class Driver:
         timings.reused_tokens = reuse
         t0 = time.perf_counter()
         self._cached = self._cached[:reuse]
-        outs = self._prefill(prompt[reuse:], reuse)
-        last = self.executor.to_numpy(outs[-1])[0, -1]
+        last = self._prefill(prompt[reuse:], reuse)[-1]
         self._cached = list(prompt)
         timings.prefill_tokens = len(prompt) - reuse
         timings.prefill_seconds = time.perf_counter() - t0
@@ -200,7 +199,7 @@ class Driver:
         limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
         t1 = time.perf_counter()
         while len(generated) < limit:
-            token = sampler.sample(last, history)
+            token = self._next_token(last, sampler, history)
             generated.append(token)
             history.append(token)
             if token in stop_ids:
@@ -221,7 +220,7 @@ class Driver:
             if position >= cap:
                 reason = "capacity"
                 break
-            last = self.executor.to_numpy(self._run([token], position, False))[0, -1]
+            last = self._run([token], position, False)
             self._cached.append(token)
             timings.decode_tokens += 1
         else:
@@ -236,6 +235,14 @@ class Driver:
                     on_token(-1, tail)
         timings.decode_seconds = time.perf_counter() - t1
         return Generation(generated, "".join(pieces), reason, timings)
+
+
+    def _next_token(self, logits: Any, sampler: Sampler, history: list[int]) -> int:
+        """Greedy picks on the device when the executor can (one id crosses to the host, not the logits)."""
+        greedy = getattr(self.executor, "greedy_token", None)
+        if sampler.is_greedy and greedy is not None:
+            return int(greedy(logits))
+        return sampler.sample(self.executor.to_numpy(logits)[0, -1], history)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
