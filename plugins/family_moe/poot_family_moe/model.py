@@ -30,7 +30,9 @@ def trace_moe(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
             a = _attention(t, p, i, h, positions, shape)
         x = t.add(x, a)
         h = t.rms_norm(x, t.weight(pre + "post_attention_layernorm.weight"), p.norm_eps)
-        m = _experts(t, p, pre, h) if p.sparse[i] else _mlp(t, pre + "mlp.", h)
+        # GGUF metadata cannot say which layers are dense (qwen's mlp_only_layers): the file's tensors do.
+        sparse = p.sparse[i] if cfg.source_format == "hf" else t.has_weight(f"{pre}{p.moe_prefix}.gate.weight")
+        m = _experts(t, p, pre, h) if sparse else _mlp(t, pre + "mlp.", h)
         x = t.add(x, m)
     x = t.rms_norm(x, t.weight("model.norm.weight"), p.norm_eps)
     head = _w(t, "lm_head.weight") or t.weight("model.embed_tokens.weight")

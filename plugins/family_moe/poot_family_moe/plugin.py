@@ -167,7 +167,8 @@ class MoeDecoder(Family):
             if mapped is None:
                 return None
             shared = "shared_expert" if p.routing.shared_gate else "shared_experts"
-            return f"model.layers.{layer}.{mapped.format(moe=p.moe_prefix, shared=shared)}.{kind}"
+            full = f"model.layers.{layer}.{mapped.format(moe=p.moe_prefix, shared=shared)}"
+            return full if part == "exp_probs_b" else f"{full}.{kind}"  # the HF name has no .weight/.bias
         stem, _, kind = name.rpartition(".")
         top = GGUF_TOP_NAMES.get(stem)
         return f"{top}.{kind}" if top else None
