@@ -1,0 +1,268 @@
+"""The Vulkan executor end to end against the CPU executor (the reference every backend is held to), on any
+Vulkan adapter (CI: Mesa's lavapipe, installed by plugins/backend_vulkan/setup_lavapipe.sh).
+
+Tiny random llama-family checkpoints in f32 and bf16, a tiny GGUF with Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights,
+and the real SmolLM2 GGUF; typed refusals at prepare time for what the kernels cannot run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+try:  # triton bundles its own LLVM: imported after lavapipe has loaded Mesa's LLVM, it crashes the process
+    import triton  # noqa: F401
+except ImportError:
+    pass
+
+import smollm
+from poot_core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    ModelHandle,
+    PackedWeight,
+    Reason,
+    StepShape,
+    Tracer,
+    Unsupported,
+    installed_backends,
+    open_executor,
+)
+
+PROMPT = [int(i) for i in np.random.default_rng(7).integers(3, 250, 40)]
+
+
+def _has_vulkan() -> bool:
+    try:
+        from poot_backend_vulkan.plugin import probe
+    except ImportError:
+        return False
+    return probe()
+
+
+pytestmark = pytest.mark.skipif(not _has_vulkan(), reason="no Vulkan adapter on this machine (mesa-vulkan-drivers)")
+
+
+@pytest.fixture(scope="module")
+def vulkan():
+    return open_executor("vulkan")
+
+
+def rel(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def both_logits(handle, vulkan, prompt=PROMPT, **options) -> tuple[np.ndarray, np.ndarray]:
+    opts = {"capacity": 64, "prefill_chunk": 16, **options}
+    ref = Driver(handle, open_executor("cpu"), DriverOptions(**opts)).logits(prompt)
+    ours = Driver(handle, vulkan, DriverOptions(**opts)).logits(prompt)
+    return ours, ref
+
+
+def test_registered_with_alias_and_priority():
+    spec = next(s for s in installed_backends() if s.name == "vulkan")
+    assert spec.aliases == ("wgpu",) and spec.priority == 20 and spec.distribution == "poot-backend-vulkan"
+    assert open_executor("wgpu").name == "vulkan"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_f32_logits_and_greedy_tokens_match_cpu(tiny_checkpoint, vulkan, arch):
+    handle = ModelHandle.load(tiny_checkpoint(arch, torch.float32))
+    ours, ref = both_logits(handle, vulkan)
+    assert ours.shape == ref.shape == (len(PROMPT), 256)
+    assert rel(ours, ref) <= 1e-3
+    request = GenerateRequest(PROMPT[:20], max_new=8, ignore_eos=True)
+    want = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16)).generate(request)
+    got = Driver(handle, vulkan, DriverOptions(capacity=64, prefill_chunk=16)).generate(request)
+    assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bf16_logits_match_cpu(tiny_checkpoint, vulkan, arch):
+    """bf16 weights read as stored. The CPU reference rounds activations to bf16 before each matmul
+    (oneDNN) while the shaders multiply f32 activations, so the bound is bf16's rounding, not f32's."""
+    handle = ModelHandle.load(tiny_checkpoint(arch, torch.bfloat16))
+    ours, ref = both_logits(handle, vulkan)
+    assert rel(ours, ref) <= 3e-2
+
+
+def test_decode_steps_with_split_keys_match_cpu(tiny_checkpoint, vulkan, monkeypatch):
+    """One token per step (the decode program), with keys cut into splits of 16 positions so that the
+    split-K path, its merge and splits past the position all run; mistral's window of 8 on top."""
+    from poot_backend_vulkan import program
+
+    monkeypatch.setattr(program, "DECODE_SPLIT", 16)
+    handle = ModelHandle.load(tiny_checkpoint("mistral", torch.float32))
+    ours, ref = both_logits(handle, vulkan, PROMPT[:36], prefill_chunk=1)
+    assert rel(ours, ref) <= 1e-3
+
+
+def test_greedy_token_is_the_argmax_of_the_logits(tiny_checkpoint, vulkan):
+    handle = ModelHandle.load(tiny_checkpoint("qwen3", torch.float32))
+    driver = Driver(handle, vulkan, DriverOptions(capacity=64, prefill_chunk=16))
+    for tokens, all_logits in ((PROMPT[:10], False), (PROMPT[10:11], False), (PROMPT[11:15], True)):
+        start = len(driver._cached)
+        out = driver._run(tokens, start, all_logits)
+        driver._cached.extend(tokens)
+        assert vulkan.greedy_token(out) == int(np.argmax(vulkan.to_numpy(out)[0, -1]))
+
+
+def test_an_output_survives_the_next_step(tiny_checkpoint, vulkan):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    driver = Driver(handle, vulkan, DriverOptions(capacity=64, prefill_chunk=8))
+    first = driver._run(PROMPT[:8], 0, True)
+    copy = vulkan.to_numpy(first)
+    driver._run(PROMPT[8:16], 8, True)  # the same program again
+    assert np.array_equal(vulkan.to_numpy(first), copy)
+
+
+# -- refusals at prepare time ---------------------------------------------------------------------------
+
+
+def _graph(handle, shape: StepShape):
+    tracer = Tracer(shape, handle.store().shapes())
+    handle.family.trace(handle.config(), tracer, shape)
+    return tracer.graph
+
+
+def test_refuses_rows_above_one_and_unknown_ops(tiny_checkpoint, vulkan):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    weights = vulkan.upload(handle.store())
+    with pytest.raises(Unsupported) as err:
+        vulkan.prepare(_graph(handle, StepShape(2, 1, 64)), weights)
+    assert err.value.reason is Reason.SHAPE and "rows=2" in str(err.value)
+    graph = _graph(handle, StepShape(1, 1, 64))
+    graph.nodes[3] = type(graph.nodes[3])("moe", graph.nodes[3].inputs, graph.nodes[3].output, graph.nodes[3].shape)
+    with pytest.raises(Unsupported) as err:
+        vulkan.prepare(graph, weights)
+    assert err.value.reason is Reason.OPERATION and "moe" in str(err.value)
+
+
+def test_refuses_erf_gelu_by_name(tiny_checkpoint, vulkan):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    graph = _graph(handle, StepShape(1, 1, 64))
+    for node in graph.nodes:
+        if node.op == "gated":
+            node.attrs["act"] = "gelu"
+    with pytest.raises(Unsupported) as err:
+        vulkan.prepare(graph, vulkan.upload(handle.store()))
+    assert err.value.reason is Reason.OPERATION and "gelu" in str(err.value)
+
+
+def test_refuses_unsupported_quantization_naming_the_tensor(vulkan):
+    class Store:
+        def names(self):
+            return ["layer.weight"]
+
+        def get(self, name):
+            parts = {"qweight": torch.zeros(8, 64, dtype=torch.int32)}
+            return PackedWeight("gptq", (64, 64), parts, {"bits": 4, "group_size": 32})
+
+    with pytest.raises(Unsupported) as err:
+        vulkan.upload(Store())
+    assert err.value.reason is Reason.QUANTIZATION
+    assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
+
+
+# -- GGUF -------------------------------------------------------------------------------------------------
+
+
+def _kquant_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with small f16 scales (gguf's Python side cannot quantize K-quants)."""
+    from gguf import quants
+
+    block_values, block_bytes = quants.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+    for at in {"Q4_K": (0, 2), "Q6_K": (208,)}[qtype.name]:
+        scales = rng.uniform(1e-4, 1e-3, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, at : at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_gguf(path, layers: int = 2, hidden: int = 256, ffn: int = 256) -> None:
+    """A random 2-layer llama GGUF with SmolLM2's tokenizer metadata and llama.cpp's tensor names."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    reader = gguf.GGUFReader(smollm.gguf_path())
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    vocab = len(tokens.data)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // 4)
+    writer.add_vocab_size(vocab)
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    rng = np.random.default_rng(0)
+
+    def matrix(name: str, rows: int, cols: int, qtype) -> None:
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            writer.add_tensor(name, _kquant_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+            return
+        w = (rng.standard_normal((rows, cols)) * (0.5 / cols**0.5)).astype(np.float32)
+        writer.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, hidden, Q.Q8_0)
+    norm("output_norm.weight", hidden)
+    for i in range(layers):
+        attention_type = Q.Q4_0 if i == 0 else Q.Q4_1
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden, attention_type)
+        matrix(f"blk.{i}.attn_k.weight", hidden // 2, hidden, attention_type)
+        matrix(f"blk.{i}.attn_v.weight", hidden // 2, hidden, attention_type)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden, attention_type)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_K)
+        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden, Q.Q8_0)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _load_gguf(path):
+    try:
+        return ModelHandle.load(path)
+    except ImportError as error:  # GGUF loading not installed in this checkout
+        pytest.skip(f"GGUF loading is not available: {error}")
+
+
+def test_tiny_gguf_blocks_match_cpu(tmp_path, vulkan):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    handle = _load_gguf(path)
+    kinds = {getattr(handle.store().get(n), "kind", "dense") for n in handle.store().names()}
+    assert {"gguf.Q8_0", "gguf.Q4_0", "gguf.Q4_1", "gguf.Q4_K", "gguf.Q6_K"} <= kinds
+    assert handle.config().params.rope_style == "interleaved"
+    ours, ref = both_logits(handle, vulkan, PROMPT[:24])
+    assert rel(ours, ref) <= 1e-3
+    request = GenerateRequest(PROMPT[:12], max_new=6, ignore_eos=True)
+    want = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16)).generate(request)
+    got = Driver(handle, vulkan, DriverOptions(capacity=64, prefill_chunk=16)).generate(request)
+    assert got.tokens == want.tokens
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_cpu(vulkan):
+    """The real SmolLM2-135M (Q4_1 blocks, Q8_0 embeddings) through the shaders."""
+    handle = _load_gguf(smollm.gguf_path())
+    ids = handle.text().encode(smollm.PROMPTS[0])
+    ours, ref = both_logits(handle, vulkan, ids, capacity=32)
+    assert rel(ours, ref) <= 1e-3
