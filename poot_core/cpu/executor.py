@@ -92,6 +92,22 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
         return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), a["eps"])
     if op == "linear":
         x, w, b = args
+        weight = get(node.inputs[1])
+        bias_is_weight = node.inputs[2] == "" or node.inputs[2].startswith("w:")
+        if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16) and bias_is_weight:
+            # q, k and v (gate and up) read the same input: convert it to the weight's dtype once per step.
+            key = f"{node.inputs[0]}:{weight.dtype}"
+            bias = get(node.inputs[2]) if node.inputs[2] else None
+            bias = None if bias is None else bias.float()
+
+            def linear16(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+                xs = e.get(key)
+                if xs is None:
+                    xs = e[key] = x(e, s).to(weight.dtype)
+                y = torch.nn.functional.linear(xs, weight).float()
+                return y if bias is None else y + bias
+
+            return linear16
         return lambda e, s: ops.linear(x(e, s), w(e, s), b(e, s))
     if op == "reshape":
         (x,) = args
