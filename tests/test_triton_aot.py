@@ -30,9 +30,9 @@ TARGETS = {
 
 def record_all_launches() -> list:
     """Call every public function in each of its kernel variants; return the recorded launches."""
-    import poot_kernels_triton as ktr
     import torch
 
+    import poot_kernels_triton as ktr
     from poot_core.checkpoint.layouts import PackedWeight
 
     bf = torch.bfloat16
@@ -78,8 +78,9 @@ def jitted_kernels() -> set[str]:
     import importlib
     import pkgutil
 
-    import poot_kernels_triton as ktr
     import triton
+
+    import poot_kernels_triton as ktr
 
     names = set()
     for info in pkgutil.iter_modules(ktr.__path__):
@@ -92,9 +93,10 @@ def jitted_kernels() -> set[str]:
 
 def compile_for(target_key: str) -> dict:
     """Child-process body: compile every recorded launch for one target; report what came out."""
+    from triton.backends.compiler import GPUTarget
+
     import poot_kernels_triton as ktr
     from poot_kernels_triton.aot import compile_launch
-    from triton.backends.compiler import GPUTarget
 
     backend, arch, warp = TARGETS[target_key]
     target = GPUTarget(backend, arch, warp)

@@ -21,7 +21,6 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 import poot_kernels_triton as ktr  # noqa: E402
-
 from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402
 from poot_core.errors import RequestError, Unsupported  # noqa: E402
 

@@ -15,6 +15,7 @@ except ImportError:  # the distribution is not installed yet: use the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backend_vulkan"))
 
 from gguf import GGMLQuantizationType, quants
+
 from poot_backend_vulkan.kernels.attention import attention_decode, attention_prefill
 from poot_backend_vulkan.kernels.elementwise import add, argmax, gated_activation
 from poot_backend_vulkan.kernels.linear import embed, linear
@@ -22,7 +23,6 @@ from poot_backend_vulkan.kernels.norms import layer_norm, rms_norm
 from poot_backend_vulkan.kernels.positional import kv_write, rope, rope_inv_freq
 from poot_backend_vulkan.kernels.runtime import Runtime, vulkan_adapters
 from poot_backend_vulkan.kernels.weights import upload_weight
-
 from poot_core.errors import CapacityError, Unsupported
 
 F32, HALF, QUANT = 1e-5, 1e-3, 1e-4
