@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+try:  # triton must load before lavapipe's Vulkan driver: each bundles its own LLVM, and the other order crashes
+    import triton  # noqa: F401
+except ImportError:
+    pass
+
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

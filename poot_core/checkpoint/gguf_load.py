@@ -24,7 +24,9 @@ def load_gguf(cls: type[ModelHandle], path: Path, registry: Registry, options: L
     file = GGUFFile.open(path)
     meta: dict[str, Any] = dict(file.metadata)
     meta.setdefault("__path__", str(path))
-    family = registry.resolve(meta.get("general.architecture"))
+    arch = meta.get("general.architecture")
+    # llama.cpp names a mixture-of-experts llama (mixtral) plain "llama": its expert count tells them apart.
+    family = registry.resolve(f"{arch}:moe" if meta.get(f"{arch}.expert_count") else None, arch)
     config = family.config_from_gguf(meta)
     vocab = vocabulary_from_gguf(meta, str(path))
     # The tokenizer arrays (tens of thousands of strings) live on in the tokenizer; keep only the small keys.

@@ -15,6 +15,17 @@ def probe() -> bool:
         return False
 
 
+def hardware_probe() -> bool:
+    """True only for a Vulkan adapter that is real hardware: automatic selection must not prefer a software
+    rasterizer such as lavapipe over the CPU executor (name the backend to use one anyway)."""
+    try:
+        from poot_backend_vulkan.kernels.runtime import vulkan_adapters
+
+        return any(a.info.get("adapter_type") != "CPU" for a in vulkan_adapters())
+    except Exception:
+        return False
+
+
 def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
     from poot_backend_vulkan.executor import VulkanExecutor
 
@@ -28,6 +39,7 @@ def poot_register_backends() -> list[BackendSpec]:
             "vulkan",
             _open,
             probe=probe,
+            auto_probe=hardware_probe,
             priority=20,
             aliases=("wgpu",),
             description="WGSL compute shaders through wgpu on a Vulkan device",
