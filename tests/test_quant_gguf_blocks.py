@@ -1,0 +1,86 @@
+"""GGUF block dequantization and packed_linear against the `gguf` package's reference decoders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from poot_core.checkpoint.layouts import PackedWeight
+from poot_core.checkpoint.quant import dequantize, supported_kinds
+from poot_core.cpu.packed_linear import packed_linear
+
+QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf's Python side can quantize these
+RANDOM_ONLY = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+# Byte offsets of the float16 scale fields inside each block (ggml's block structs).
+F16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
+}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes per row] of valid blocks: random bytes with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        raw[:, at : at + 2] = rng.uniform(-0.1, 0.1, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+def quantized_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    data = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return quants.quantize(data, GGMLQuantizationType[type_name])
+
+
+def packed(blocks: np.ndarray, type_name: str, cols: int) -> PackedWeight:
+    return PackedWeight("gguf", (blocks.shape[0], cols), {"blocks": torch.from_numpy(blocks)}, {"type": type_name})
+
+
+@pytest.mark.parametrize("type_name", QUANTIZABLE + RANDOM_ONLY)
+def test_dequantize_equals_gguf_reference(type_name: str) -> None:
+    rows, cols = 12, 512
+    make = quantized_blocks if type_name in QUANTIZABLE else random_blocks
+    blocks = make(type_name, rows, cols)
+    ref = quants.dequantize(blocks, GGMLQuantizationType[type_name])
+    w = packed(blocks, type_name, cols)
+    ours = dequantize(w)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, cols)
+    np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dequantize(w, slice(3, 7)).numpy(), ref[3:7], rtol=1e-6, atol=1e-7)
+    assert f"gguf.{type_name}" in supported_kinds()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_packed_linear_equals_dequantized_matmul(type_name: str, batch: int) -> None:
+    rows, cols = 300, 512  # rows not a multiple of any tile
+    make = quantized_blocks if type_name in QUANTIZABLE else random_blocks
+    w = packed(make(type_name, rows, cols, seed=1), type_name, cols)
+    x = torch.randn(batch, 2, cols)
+    bias = torch.randn(rows)
+    ref = x @ dequantize(w).T + bias
+    out = packed_linear(x, w, bias)
+    assert out.shape == (batch, 2, rows) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_unknown_block_type_is_refused() -> None:
+    from poot_core.errors import Unsupported
+
+    w = PackedWeight("gguf", (1, 256), {"blocks": torch.zeros(1, 66, dtype=torch.uint8)}, {"type": "IQ2_XXS"})
+    with pytest.raises(Unsupported, match="IQ2_XXS"):
+        dequantize(w)

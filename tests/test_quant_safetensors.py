@@ -1,0 +1,192 @@
+"""GPTQ, AWQ and FP8 layers against independent numpy implementations of the published layouts.
+
+Each test draws random integer codes, zero points and scales, packs them the way the quantizers write their
+checkpoints (numpy, written here from the formats' descriptions), and checks that packed_from_safetensors +
+dequantize give back (q - zero) * scale, and that packed_linear agrees with the dequantized matmul.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from poot_core.checkpoint.quant import dequantize, packed_from_safetensors, supported_kinds
+from poot_core.cpu.packed_linear import packed_linear
+from poot_core.errors import CheckpointError, Unsupported
+
+
+def getter(tensors: dict[str, np.ndarray | torch.Tensor]):
+    def get(name: str) -> torch.Tensor:
+        t = tensors[name]  # KeyError for a missing part, like a WeightStore lookup
+        return t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
+
+    return get
+
+
+def pack_along_rows(q: np.ndarray, bits: int) -> np.ndarray:
+    """[r, c] codes -> int32 [r * bits / 32, c]: value i of a word from row i, lowest bits first."""
+    per = 32 // bits
+    out = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
+    for i in range(per):
+        out |= q[i::per].astype(np.uint32) << np.uint32(bits * i)
+    return out.view(np.int32)
+
+
+def pack_along_cols(q: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
+    per = 32 // bits
+    order = order or list(range(per))
+    out = np.zeros((q.shape[0], q.shape[1] // per), dtype=np.uint32)
+    for i in range(per):  # slot i of each word holds column order[i] of its group
+        out |= q[:, order[i] :: per].astype(np.uint32) << np.uint32(bits * i)
+    return out.view(np.int32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, -1])
+@pytest.mark.parametrize("desc_act", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq(bits: int, group_size: int, desc_act: bool, sym: bool) -> None:
+    rng = np.random.default_rng(bits * 100 + group_size + 7 * desc_act + 3 * sym)
+    in_f, out_f = 128, 64
+    groups = 1 if group_size == -1 else in_f // group_size
+    q = rng.integers(0, 2**bits, size=(in_f, out_f))
+    zero = (
+        np.full((groups, out_f), 2 ** (bits - 1)) if sym else rng.integers(1, 2**bits, size=(groups, out_f))
+    )  # the true zero point
+    scales = rng.uniform(0.001, 0.05, size=(groups, out_f)).astype(np.float16)
+    g_idx = np.arange(in_f) // (in_f if group_size == -1 else group_size)
+    if desc_act:
+        g_idx = rng.permutation(g_idx)
+    tensors = {
+        "l.qweight": pack_along_rows(q, bits),
+        "l.qzeros": pack_along_cols(zero - 1, bits),  # v1: zero - 1
+        "l.scales": scales,
+        "l.g_idx": g_idx.astype(np.int32),
+    }
+    cfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym}
+    w = packed_from_safetensors(getter(tensors), "l", cfg)
+    assert w is not None and w.shape == (out_f, in_f) and w.kind == f"gptq.{bits}" and w.kind in supported_kinds()
+    ref = ((q - zero[g_idx]) * scales[g_idx].astype(np.float32)).T
+    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(dequantize(w, slice(8, 40)).numpy(), ref[8:40], rtol=1e-6)
+    x = torch.randn(3, in_f)
+    expect = x @ torch.from_numpy(ref).float().T
+    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+def test_gptq_v2_has_no_plus_one_and_g_idx_may_be_absent() -> None:
+    rng = np.random.default_rng(3)
+    in_f, out_f, group = 64, 16, 32
+    q = rng.integers(0, 16, size=(in_f, out_f))
+    zero = rng.integers(0, 16, size=(in_f // group, out_f))
+    scales = rng.uniform(0.01, 0.1, size=zero.shape).astype(np.float16)
+    tensors = {"l.qweight": pack_along_rows(q, 4), "l.qzeros": pack_along_cols(zero, 4), "l.scales": scales}
+    cfg = {"quant_method": "gptq", "bits": 4, "group_size": group, "checkpoint_format": "gptq_v2"}
+    w = packed_from_safetensors(getter(tensors), "l", cfg)
+    g = np.arange(in_f) // group
+    np.testing.assert_allclose(dequantize(w).numpy(), ((q - zero[g]) * scales[g].astype(np.float32)).T, rtol=1e-6)
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the column each nibble of an AWQ GEMM word holds
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_awq_gemm(group_size: int) -> None:
+    rng = np.random.default_rng(group_size)
+    in_f, out_f = 128, 48
+    groups = in_f // group_size
+    q = rng.integers(0, 16, size=(in_f, out_f))
+    zero = rng.integers(0, 16, size=(groups, out_f))
+    scales = rng.uniform(0.001, 0.05, size=(groups, out_f)).astype(np.float16)
+    tensors = {
+        "m.qweight": pack_along_cols(q, 4, AWQ_ORDER),
+        "m.qzeros": pack_along_cols(zero, 4, AWQ_ORDER),
+        "m.scales": scales,
+    }
+    cfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    w = packed_from_safetensors(getter(tensors), "m", cfg)
+    assert w is not None and w.kind == "awq.4" and w.shape == (out_f, in_f)
+    g = np.arange(in_f) // group_size
+    ref = ((q - zero[g]) * scales[g].astype(np.float32)).T
+    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(dequantize(w, slice(5, 29)).numpy(), ref[5:29], rtol=1e-6)
+    x = torch.randn(2, in_f)
+    expect = x @ torch.from_numpy(ref).float().T
+    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+def e4m3_to_float(bits: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn bytes -> float32, from the format: 1 sign, 4 exponent (bias 7), 3 mantissa, S.1111.111 NaN."""
+    b = bits.astype(np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    value = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    return np.where((b & 0x7F) == 0x7F, np.nan, sign * value).astype(np.float32)
+
+
+def fp8_weight(rng: np.random.Generator, out_f: int, in_f: int) -> np.ndarray:
+    raw = rng.integers(0, 256, size=(out_f, in_f), dtype=np.uint8)
+    return np.where((raw & 0x7F) == 0x7F, 0, raw).astype(np.uint8)  # no NaN codes
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block", "block-hf"])
+def test_fp8(kind: str) -> None:
+    rng = np.random.default_rng(len(kind))
+    out_f, in_f = 200, 300  # not multiples of the 128 block
+    raw = fp8_weight(rng, out_f, in_f)
+    values = e4m3_to_float(raw)
+    weight = torch.from_numpy(raw).view(torch.float8_e4m3fn)
+    if kind == "tensor":
+        scale = np.array([0.02], dtype=np.float32)
+        ref = values * scale[0]
+    elif kind == "channel":
+        scale = rng.uniform(0.001, 0.1, size=(out_f, 1)).astype(np.float32)
+        ref = values * scale
+    else:
+        scale = rng.uniform(0.001, 0.1, size=(2, 3)).astype(np.float32)
+        ref = values * np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)[:out_f, :in_f]
+    if kind == "block-hf":
+        tensors = {"p.weight": weight, "p.weight_scale_inv": scale}
+        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    else:
+        tensors = {"p.weight": weight, "p.weight_scale": scale}
+        weights = {"num_bits": 8, "type": "float", "strategy": kind}
+        if kind == "block":
+            weights["block_structure"] = [128, 128]
+        cfg = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+        }
+    w = packed_from_safetensors(getter(tensors), "p", cfg)
+    assert w is not None and w.kind == f"fp8.{kind.removesuffix('-hf')}" and w.kind in supported_kinds()
+    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(dequantize(w, slice(120, 140)).numpy(), ref[120:140], rtol=1e-6)
+    x = torch.randn(2, in_f)
+    expect = x @ torch.from_numpy(ref).T
+    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
+def test_unquantized_layer_is_none_and_bad_parts_are_typed_errors() -> None:
+    dense = {"d.weight": torch.randn(4, 4), "d.weight_scale": torch.ones(1)}
+    assert packed_from_safetensors(getter(dense), "d", {"quant_method": "fp8"}) is None
+    assert packed_from_safetensors(getter({}), "x", {"quant_method": "gptq", "bits": 4}) is None
+    with pytest.raises(Unsupported, match="gptq.3"):
+        packed_from_safetensors(
+            getter({"l.qweight": np.zeros((3, 8), np.int32)}), "l", {"quant_method": "gptq", "bits": 3}
+        )
+    with pytest.raises(Unsupported, match="bitsandbytes"):
+        packed_from_safetensors(getter({}), "l", {"quant_method": "bitsandbytes"})
+    bad = {
+        "l.qweight": np.zeros((16, 8), np.int32),
+        "l.qzeros": np.zeros((1, 1), np.int32),
+        "l.scales": np.zeros((1, 8), np.float16),
+        "l.g_idx": np.full(128, 5, np.int32),
+    }
+    with pytest.raises(CheckpointError, match="g_idx"):
+        packed_from_safetensors(getter(bad), "l", {"quant_method": "gptq", "bits": 4, "group_size": -1})
+    with pytest.raises(CheckpointError, match="qzeros"):
+        packed_from_safetensors(
+            getter({"l.qweight": np.zeros((16, 8), np.int32)}), "l", {"quant_method": "gptq", "bits": 4}
+        )
