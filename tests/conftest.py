@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # No GPU: Triton kernels run in its interpreter. Set before anything decorates a kernel.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:  # triton must load before lavapipe's Vulkan driver: each bundles its own LLVM, and the other order crashes
     import triton  # noqa: F401
 except ImportError:

@@ -85,8 +85,8 @@ def test_unknown_block_type_is_refused_before_compute(tmp_path):
 
     path = tmp_path / "iq.gguf"
     w = gguf.GGUFWriter(path, "llama")
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 66), dtype=np.uint8), raw_shape=(4, 256),
-                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    # 4 rows of one IQ2_XXS block (256 weights in 66 bytes) each
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
