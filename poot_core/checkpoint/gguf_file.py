@@ -28,13 +28,50 @@ MAGIC = b"GGUF"
 MAX_DIMS = 4
 MAX_ARRAY_DEPTH = 2
 # Metadata value types: id -> (struct format, size) for scalars; 8 = string, 9 = array.
-SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
-           7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
-NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
-         12: "<f8"}
+SCALARS = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
+NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 STRING, ARRAY = 8, 9
-DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-         "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+DENSE = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+class MissingTensor(CheckpointError, KeyError):
+    """A tensor name the file does not hold (also a KeyError, for callers that probe names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return CheckpointError.__str__(self)
 
 
 @dataclass(frozen=True)
@@ -100,8 +137,7 @@ class _Reader:
 
 
 class GGUFFile:
-    def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo],
-                 buffer: mmap.mmap) -> None:
+    def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo], buffer: mmap.mmap) -> None:
         self.path = path
         self.metadata = metadata
         self._tensors = tensors
@@ -125,19 +161,24 @@ class GGUFFile:
             raise CheckpointError(path, f"unsupported GGUF version {version}", 4)
         n_tensors, n_kv = r.u64(), r.u64()
         if n_kv * 13 > len(r.buf) or n_tensors * 24 > len(r.buf):  # the smallest possible entries
-            raise CheckpointError(path, f"claims {n_kv} metadata entries and {n_tensors} tensors, more than "
-                                  "the file can hold", 8)
+            raise CheckpointError(
+                path, f"claims {n_kv} metadata entries and {n_tensors} tensors, more than the file can hold", 8
+            )
         metadata: dict[str, Any] = {}
+        key_at: dict[str, int] = {}
         for _ in range(n_kv):
             at = r.pos
             key = r.string()
             if key in metadata:
                 raise CheckpointError(path, f"metadata key {key!r} appears twice", at)
+            key_at[key] = at
             metadata[key] = r.value(r.u32())
         infos = [cls._tensor_info(r) for _ in range(n_tensors)]
         alignment = metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise CheckpointError(path, f"general.alignment {alignment!r} is not a power of two")
+            raise CheckpointError(
+                path, f"general.alignment {alignment!r} is not a power of two", key_at["general.alignment"]
+            )
         data_start = -(-r.pos // alignment) * alignment
         tensors = cls._place(path, infos, data_start, alignment, len(r.buf))
         return cls(path, metadata, tensors, buffer)
@@ -155,8 +196,9 @@ class GGUFFile:
         return name, type_id, dims, offset, at
 
     @staticmethod
-    def _place(path: Path, infos: list[tuple[str, int, tuple[int, ...], int, int]], data_start: int,
-               alignment: int, size: int) -> dict[str, TensorInfo]:
+    def _place(
+        path: Path, infos: list[tuple[str, int, tuple[int, ...], int, int]], data_start: int, alignment: int, size: int
+    ) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
         for name, type_id, dims, offset, at in infos:
             try:
@@ -166,13 +208,20 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
             count = math.prod(dims)
             if dims and dims[0] % block:
-                raise CheckpointError(path, f"tensor {name!r}: row of {dims[0]} is not a whole number of "
-                                      f"{qtype.name} blocks of {block}", at)
+                raise CheckpointError(
+                    path,
+                    f"tensor {name!r}: row of {dims[0]} is not a whole number of {qtype.name} blocks of {block}",
+                    at,
+                )
             nbytes = count // block * type_size
             start = data_start + offset
             if offset % alignment or start + nbytes > size:
-                raise CheckpointError(path, f"tensor {name!r}: data [{start}, {start + nbytes}) is misaligned or "
-                                      f"past the end of the {size}-byte file", at)
+                raise CheckpointError(
+                    path,
+                    f"tensor {name!r}: data [{start}, {start + nbytes}) is misaligned or "
+                    f"past the end of the {size}-byte file",
+                    at,
+                )
             if name in tensors:
                 raise CheckpointError(path, f"tensor {name!r} appears twice", at)
             tensors[name] = TensorInfo(name, qtype.name, tuple(reversed(dims)), start, nbytes)
@@ -186,22 +235,30 @@ class GGUFFile:
         return list(self._tensors)
 
     def tensor_info(self, name: str) -> TensorInfo:
-        return self._tensors[name]
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise MissingTensor(self.path, f"no tensor named {name!r}") from None
 
     def tensor(self, name: str) -> torch.Tensor | PackedWeight:
         """Dense types as zero-copy tensors; block types as a PackedWeight over the mapped bytes."""
-        info = self._tensors[name]
+        info = self.tensor_info(name)
         with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(self._buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset) \
-                if info.nbytes else torch.empty(0, dtype=torch.uint8)
+            raw = (
+                torch.frombuffer(self._buffer, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+                if info.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
         if info.type_name in DENSE:
             return raw.view(DENSE[info.type_name]).view(info.shape)
         from poot_core.checkpoint.quant import gguf_type_supported
 
         if not gguf_type_supported(info.type_name):
-            raise Unsupported(Reason.QUANTIZATION, f"{info.type_name} (tensor {name})",
-                              "poot has no decoder for this GGUF block type")
+            raise Unsupported(
+                Reason.QUANTIZATION, f"{info.type_name} (tensor {name})", "poot has no decoder for this GGUF block type"
+            )
         rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
-        return PackedWeight("gguf", info.shape, {"blocks": raw.view(rows, info.nbytes // max(rows, 1))},
-                            {"type": info.type_name})
+        return PackedWeight(
+            "gguf", info.shape, {"blocks": raw.view(rows, info.nbytes // max(rows, 1))}, {"type": info.type_name}
+        )

@@ -21,9 +21,18 @@ import torch
 from poot_core.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
@@ -33,9 +42,31 @@ MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 MAX_DIMS = 8
 
 
+class MissingTensor(CheckpointError, KeyError):
+    """A tensor name the file does not hold (also a KeyError, for callers that probe names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return CheckpointError.__str__(self)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 class SafetensorsFile:
-    def __init__(self, path: Path, entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
-                 metadata: dict[str, str], data_start: int, buffer: mmap.mmap | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
+        metadata: dict[str, str],
+        data_start: int,
+        buffer: mmap.mmap | None,
+    ) -> None:
         self.path = path
         self._entries = entries
         self.metadata = metadata
@@ -59,8 +90,8 @@ class SafetensorsFile:
         except OSError as exc:
             raise CheckpointError(path, f"cannot read: {exc}") from exc
         try:
-            header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            header = json.loads(raw, object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError) as exc:  # also bad UTF-8, duplicate keys, absurd numbers, deep nesting
             raise CheckpointError(path, f"header is not JSON: {exc}", 8) from exc
         if not isinstance(header, dict):
             raise CheckpointError(path, "header is not a JSON object", 8)
@@ -72,18 +103,25 @@ class SafetensorsFile:
         return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][1]
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise MissingTensor(self.path, f"no tensor named {name!r}") from None
 
     def tensor(self, name: str) -> torch.Tensor:
         """Zero-copy, read-only view of the stored tensor, in its stored dtype."""
-        dtype, shape, begin, end = self._entries[name]
+        dtype, shape, begin, end = self._entry(name)
         if end == begin:
             return torch.empty(shape, dtype=dtype)
         assert self._buffer is not None
         with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self._buffer, dtype=dtype, count=(end - begin) // _itemsize(dtype),
-                                    offset=self._data_start + begin)
+            flat = torch.frombuffer(
+                self._buffer, dtype=dtype, count=(end - begin) // _itemsize(dtype), offset=self._data_start + begin
+            )
         return flat.view(shape)
 
 
@@ -91,33 +129,46 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _validate(path: Path, header: dict[str, Any], data_size: int,
-              data_start: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str]]:
+def _validate(
+    path: Path, header: dict[str, Any], data_size: int, data_start: int
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict[str, str]]:
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(path, "__metadata__ is not an object", 8)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(path, "__metadata__ is not an object of strings", 8)
     entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
     for name, info in header.items():
         if not isinstance(info, dict):
             raise CheckpointError(path, f"tensor {name!r}: entry is not an object", 8)
-        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
         if dtype is None:
             raise CheckpointError(path, f"tensor {name!r}: unknown dtype {info.get('dtype')!r}", 8)
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise CheckpointError(path, f"tensor {name!r}: bad shape {shape!r}", 8)
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise CheckpointError(path, f"tensor {name!r}: bad data_offsets {offsets!r}", 8)
         begin, end = offsets
         if not 0 <= begin <= end <= data_size:
-            raise CheckpointError(path, f"tensor {name!r}: data [{begin}, {end}) lies outside the "
-                                  f"{data_size}-byte data section", data_start + min(max(begin, 0), data_size))
+            raise CheckpointError(
+                path,
+                f"tensor {name!r}: data [{begin}, {end}) lies outside the {data_size}-byte data section",
+                data_start + min(max(begin, 0), data_size),
+            )
         if math.prod(shape) * _itemsize(dtype) != end - begin:
-            raise CheckpointError(path, f"tensor {name!r}: shape {shape} of {info['dtype']} needs "
-                                  f"{math.prod(shape) * _itemsize(dtype)} bytes but its offsets hold {end - begin}",
-                                  data_start + begin)
+            raise CheckpointError(
+                path,
+                f"tensor {name!r}: shape {shape} of {info['dtype']} needs "
+                f"{math.prod(shape) * _itemsize(dtype)} bytes but its offsets hold {end - begin}",
+                data_start + begin,
+            )
         entries[name] = (dtype, tuple(shape), begin, end)
     spans = sorted((b, e, n) for n, (_, _, b, e) in entries.items() if e > b)
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
