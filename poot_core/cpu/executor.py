@@ -22,22 +22,11 @@ from poot_core.graph import Graph, Node
 CPU_OPS = frozenset({
     "embed", "rms_norm", "layer_norm", "linear", "reshape", "rope", "attention", "encoder_attention",
     "gated", "activation", "add", "mul", "scale", "last_position", "logits", "moe", "mla_attention",
-    "slice", "concat", "softmax", "sigmoid", "pool",
 })
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
 
 Env = dict[str, Any]
 StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
-
-# Ops a plugin family adds (the MoE op, latent attention) register a builder here through
-# `register_cpu_op`; core's own ops are bound in `_bind`.
-_EXTRA_OPS: dict[str, Callable[[Node, Callable[[str], Any]], StepFn]] = {}
-
-
-def register_cpu_op(name: str, builder: Callable[[Node, Callable[[str], Any]], StepFn]) -> None:
-    """Let a family add an op to the CPU executor (it is the reference for every backend too)."""
-    _EXTRA_OPS[name] = builder
-
 
 class CpuProgram:
     def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
@@ -75,8 +64,6 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
     a = node.attrs
     args = [arg(i) for i in range(len(node.inputs))]
     op = node.op
-    if op in _EXTRA_OPS:
-        return _EXTRA_OPS[op](node, get)
     if op == "embed":
         table, tokens = args
         scale = a.get("scale")
@@ -172,7 +159,7 @@ class CpuExecutor:
     def capabilities(self) -> Capabilities:
         from poot_core.checkpoint.quant import supported_kinds
 
-        return Capabilities(CPU_OPS | frozenset(_EXTRA_OPS), DENSE_KINDS | frozenset(supported_kinds()))
+        return Capabilities(CPU_OPS, DENSE_KINDS | frozenset(supported_kinds()))
 
     def upload(self, store: Any) -> dict[str, Weight]:
         """Nothing moves: the CPU computes from the memory-mapped weights as stored."""
