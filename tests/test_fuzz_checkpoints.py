@@ -1,8 +1,8 @@
 """Hypothesis fuzzing of both checkpoint parsers: mutated, truncated and spliced small files.
 
 Every outcome is either a successful open (and then every tensor reads, and every computable GGUF tensor
-dequantizes) or a PootError, within bounded time. A hunt of 3,000 examples per parser found no escaping seed; any future one goes into the hostile-file tables
-of test_gguf_file.py / test_safetensors_file.py as an explicit case.
+dequantizes) or a PootError, within bounded time. A hunt of 3,000 examples per parser found no escaping
+seed; any future one goes into the hostile-file tables of test_gguf_file.py / test_safetensors_file.py.
 """
 
 from __future__ import annotations
