@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight
+from poot_core.errors import Reason, Unsupported
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,17 +73,58 @@ def inverse_frequencies(theta: float, dim: int, scaling_items: tuple[tuple[str, 
         inv = torch.where(medium, smoothed, scaled)
     elif kind == "linear":
         inv = inv / scaling["factor"]
+    elif kind == "yarn":
+        inv = _yarn(inv, theta, dim, scaling)
     elif kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind}")
+        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "known: default, linear, llama3, yarn")
     return inv
+
+
+def _yarn(inv: torch.Tensor, theta: float, dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: low frequencies interpolated by `factor`, high ones kept, a linear ramp between the wavelengths
+    that turn beta_fast and beta_slow times over the original context."""
+    factor = scaling["factor"]
+    old = scaling.get("original_max_position_embeddings", 4096)
+    fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+    def turns_to_dim(turns: float) -> float:
+        return dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_to_dim(fast), turns_to_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN scales cos and sin by this (1 for the other scalings)."""
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def rope_tables(positions: torch.Tensor, theta: float, dim: int,
                 scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [R, T, 1, dim/2] for the positions of one step (shared by every layer that uses them)."""
-    inv = inverse_frequencies(theta, dim, tuple(sorted(scaling.items())))
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
+    inv = inverse_frequencies(theta, dim, items)
     angles = positions.float()[..., None] * inv  # [R, T, dim/2]
-    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    factor = rope_attention_factor(scaling)
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
