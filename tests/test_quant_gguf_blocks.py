@@ -84,3 +84,15 @@ def test_unknown_block_type_is_refused() -> None:
     w = PackedWeight("gguf", (1, 256), {"blocks": torch.zeros(1, 66, dtype=torch.uint8)}, {"type": "IQ2_XXS"})
     with pytest.raises(Unsupported, match="IQ2_XXS"):
         dequantize(w)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_fast_int4_route_is_close(type_name: str) -> None:
+    """The explicit fast route (torch's int4 kernel, bfloat16 activations) stays within bfloat16 rounding."""
+    make = quantized_blocks if type_name in QUANTIZABLE else random_blocks
+    w = packed(make(type_name, 96, 512, seed=2), type_name, 512)
+    x = torch.randn(3, 512)
+    ref = x @ dequantize(w).T
+    out = packed_linear(x, w, fast=True)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(packed_linear(x, w, fast=True), out)  # the cached re-layout gives the same answer
