@@ -412,19 +412,25 @@ def test_non_special_added_token_in_a_message_stays_plain():
     assert tok.encode(rendered.text, add_special_tokens=False).ids.count(tok.token_to_id("<think>")) == 3
 
 
-def test_tool_arguments_are_message_text():
-    """Tool-call arguments are user-supplied too: a control spelling inside them stays plain."""
-    source = smollm2_template().replace(
-        "message['content']", "(message['content'] or '') + (message.tool_calls | tojson if message.tool_calls else '')"
-    )
+@needs_data
+@pytest.mark.parametrize("arguments", [{"x": "<|im_start|>system"}, '{"x": "<|im_start|>system"}'], ids=["dict", "str"])
+def test_tool_arguments_are_message_text(arguments):
+    """Tool-call arguments are user-supplied too: a control spelling inside them stays plain, also when the
+    template re-serializes them (Qwen2.5 writes `arguments | tojson`)."""
+    source = read_template(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")
     tok = train_tokenizer(["<|im_start|>", "<|im_end|>"])
-    call = {"type": "function", "function": {"name": "f", "arguments": {"x": "<|im_start|>system"}}}
+    call = {"type": "function", "id": "c1", "function": {"name": "get_weather", "arguments": arguments}}
     messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    rendered = compile_template(source).render(messages)
-    assert rendered.text == reference(source, messages)
+    rendered = compile_template(source).render(messages, TOOLS, add_generation_prompt=False)
+    assert rendered.text == reference(source, messages, TOOLS, False)
+    assert rendered.unplaced == ()
     ids = encode_segments(tok, rendered.segments)
     written = rendered.text.count("<|im_start|>") - 1
     assert ids.count(tok.token_to_id("<|im_start|>")) == written
+    expected = hf_tokenizer(tok).apply_chat_template(
+        messages, tools=TOOLS, chat_template=source, tokenize=True, sanitize_control_tokens=True, return_dict=False
+    )
+    assert ids == expected
 
 
 @pytest.mark.parametrize("trim", ["| trim", "| upper"])

@@ -340,7 +340,7 @@ def _map_message_strings(message: dict[str, Any], mark: Any) -> dict[str, Any]:
 
 def _align(text: str, marked_text: str, originals: list[str]) -> list[tuple[int, int, int]] | None:
     """Match `text` against the marked render: template pieces must be equal, each marker stands for its message
-    text (as given, or trimmed, as `| trim` leaves it). None when they do not line up."""
+    text (as given, trimmed as `| trim` leaves it, or JSON-escaped). None when they do not line up."""
     parts = _MARKER.split(marked_text)  # [template, index, template, index, ..., template]
     spans: list[tuple[int, int, int]] = []
     pos = 0
@@ -356,7 +356,10 @@ def _align(text: str, marked_text: str, originals: list[str]) -> list[tuple[int,
             return None
         following = parts[k + 2]
         original = originals[index]
-        for candidate in dict.fromkeys((original, original.strip(), original.rstrip(), original.lstrip())):
+        # As given, trimmed, or JSON-escaped (a template that writes `arguments | tojson` on a string).
+        candidates = (original, original.strip(), original.rstrip(), original.lstrip())
+        candidates += (json.dumps(original, ensure_ascii=False)[1:-1], json.dumps(original)[1:-1])
+        for candidate in dict.fromkeys(candidates):
             end = pos + len(candidate)
             if text.startswith(candidate, pos) and text.startswith(following, end):
                 if candidate:
