@@ -11,7 +11,7 @@ from .launch import Launch, record_launches
 from .matmul import dense_linear
 from .norm import add_rms_norm
 from .quant import GGUF_TYPES, gguf_linear, gptq_linear, linear
-from .rope import apply_rope, rope_cos_sin, write_kv
+from .rope import apply_rope, rope_cos_sin, rotate, write_kv
 from .sampling import greedy, sample
 from .tuning import TUNINGS, Tile, Tuning, tuning_for_device, tuning_for_target, use_tuning
 
@@ -33,6 +33,7 @@ __all__ = [
     "prefill_attention",
     "record_launches",
     "rope_cos_sin",
+    "rotate",
     "sample",
     "tuning_for_device",
     "tuning_for_target",

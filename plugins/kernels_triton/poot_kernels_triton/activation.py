@@ -44,9 +44,7 @@ def _gated_kernel(
     tl.store(out_ptr + row * out_stride + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gated_activation(
-    gate: torch.Tensor, up: torch.Tensor | None = None, *, kind: str = "silu"
-) -> torch.Tensor:
+def gated_activation(gate: torch.Tensor, up: torch.Tensor | None = None, *, kind: str = "silu") -> torch.Tensor:
     """act(gate) * up, with act "silu" or "gelu_tanh" (gelu with the tanh approximation).
 
     gate, up: [rows, n] float32/float16/bfloat16. When `up` is None, `gate` is [rows, 2n] holding the gate

@@ -30,9 +30,7 @@ _POINTER_TYPES = {
 def _type_of(name: str, value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.dtype not in _POINTER_TYPES:
-            raise Unsupported(
-                Reason.OPERATION, f"{name}:{value.dtype}", "no Triton pointer type for this dtype"
-            )
+            raise Unsupported(Reason.OPERATION, f"{name}:{value.dtype}", "no Triton pointer type for this dtype")
         return _POINTER_TYPES[value.dtype]
     if isinstance(value, bool):
         return "i1"

@@ -127,9 +127,7 @@ def _check_attention_options(causal: bool, window: int | None, softcap: float | 
     if window is not None:
         require(window > 0, f"sliding window must be positive, got {window}")
         if not causal:
-            raise Unsupported(
-                Reason.OPERATION, "attention:bidirectional+sliding_window", "window needs causal"
-            )
+            raise Unsupported(Reason.OPERATION, "attention:bidirectional+sliding_window", "window needs causal")
     if softcap is not None:
         require(softcap > 0, f"soft-cap must be positive, got {softcap}")
 

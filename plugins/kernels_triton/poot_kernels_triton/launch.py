@@ -31,9 +31,7 @@ class Launch:
     extra: dict[str, int]
 
 
-_recorder: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
-    "poot_triton_recorder", default=None
-)
+_recorder: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar("poot_triton_recorder", default=None)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .tuning import tuning_for_device
+from .tuning import Tile, Tuning, tuning_for_device
 
 GEMV_MAX_ROWS = 4  # up to this many rows, weights are streamed once per row (bandwidth bound anyway)
 
@@ -97,12 +97,43 @@ def _gemm_kernel(
     )
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_tile(n: int, rows: int, tuning: Tuning, tile: Tile | None = None, min_block: int = 8) -> Tile:
+    """The GEMV tile for an output of width n: the tuning's tile, with narrower blocks when that would
+    leave fewer programs than the target keeps busy (a 4096-wide projection in 64-wide blocks fills only
+    64 programs, half an H200). `GEMV_OVERRIDE` replaces it (benchmark sweeps)."""
+    if GEMV_OVERRIDE is not None and tile is None:
+        return GEMV_OVERRIDE
+    tile = tuning.gemv if tile is None else tile
+    block_n = tile.block_n
+    while block_n > min_block and cdiv(n, block_n) * rows < tuning.decode_programs:
+        block_n //= 2
+    if block_n == tile.block_n:
+        return tile
+    return Tile(
+        block_n=block_n,
+        block_k=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        extra=dict(tile.extra),
+    )
+
+
+GEMV_OVERRIDE: Tile | None = None
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x @ weight^T (+ bias).
 
     x: [m, k] float32/float16/bfloat16. weight: [n, k] float16/bfloat16/float32, last dim contiguous.
     bias: [n] or None. Accumulates in float32. Returns [m, n] in x's dtype. Rows <= GEMV_MAX_ROWS take the
-    GEMV kernel; more take the tiled GEMM (its tl.dot runs in x's dtype on a GPU).
+    GEMV kernel; more take the tiled GEMM (its tl.dot runs in x's dtype on a GPU). out_dtype: the output's
+    dtype when not x's (float32 logits from 16-bit activations).
     """
     check_dims("x", x, 2)
     check_dims("weight", weight, 2)
@@ -118,7 +149,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         check_same_device(x, weight)
     x = unit_stride_last(x)
     weight = unit_stride_last(weight)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     tuning = tuning_for_device(x.device)
     common = dict(
         x_ptr=x,
@@ -133,7 +164,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         HAS_BIAS=bias is not None,
     )
     if m <= GEMV_MAX_ROWS:
-        tile = tuning.gemv
+        tile = gemv_tile(n, m, tuning)
         launch(
             _gemv_kernel,
             (cdiv(n, tile.block_n), m),

@@ -51,6 +51,7 @@ def add_rms_norm(
     *,
     weight_offset: float = 0.0,
     inplace: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add `x` to the residual stream, then RMS-normalize the sum.
 
@@ -58,7 +59,8 @@ def add_rms_norm(
     new residual is `x` itself). weight: [hidden]. The scale is `weight + weight_offset` (gemma: offset 1.0).
     Arithmetic is float32; the sum is rounded to the residual's dtype before it is normalized.
     Returns (new_residual [rows, hidden] in residual's dtype, normed [rows, hidden] in x's dtype).
-    With inplace=True the sum is written into `residual` and `residual` is returned.
+    With inplace=True the sum is written into `residual` and `residual` is returned. out_dtype, when given,
+    is the dtype of the normed output instead of x's (a float32 residual stream feeding 16-bit matmuls).
     """
     check_dims("x", x, 2)
     check_dims("weight", weight, 1)
@@ -67,7 +69,7 @@ def add_rms_norm(
     require(weight.shape[0] == hidden, f"weight has {weight.shape[0]} entries, hidden size is {hidden}")
     x = unit_stride_last(x)
     weight = weight.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=out_dtype or x.dtype)
     if residual is not None:
         check_float("residual", residual)
         require(tuple(residual.shape) == (rows, hidden), f"residual shape {tuple(residual.shape)} != x shape")

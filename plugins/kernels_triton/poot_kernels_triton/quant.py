@@ -15,7 +15,7 @@ from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear
+from .matmul import GEMV_MAX_ROWS, dense_linear, gemv_tile
 from .tuning import tuning_for_device
 
 # name -> (kernel code, elements per block, bytes per block)
@@ -174,7 +174,12 @@ def _gguf_gemm_kernel(
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    gguf_type: str,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ W^T where W is stored as GGUF blocks.
 
@@ -183,9 +188,7 @@ def gguf_linear(
     the ggml block layouts. bias: [n] or None. Returns [m, n] in x's dtype, float32 accumulation.
     """
     if gguf_type not in GGUF_TYPES:
-        raise Unsupported(
-            Reason.QUANTIZATION, f"gguf.{gguf_type}", f"Triton kernels know {sorted(GGUF_TYPES)}"
-        )
+        raise Unsupported(Reason.QUANTIZATION, f"gguf.{gguf_type}", f"Triton kernels know {sorted(GGUF_TYPES)}")
     code, elems, nbytes = GGUF_TYPES[gguf_type]
     check_dims("x", x, 2)
     check_dims("blocks", blocks, 2)
@@ -195,15 +198,13 @@ def gguf_linear(
     m, k = x.shape
     n = blocks.shape[0]
     require(k % elems == 0, f"{gguf_type} needs k divisible by {elems}, got {k}")
-    require(
-        blocks.shape[1] == k // elems * nbytes, f"{gguf_type} row of {k} needs {k // elems * nbytes} bytes"
-    )
+    require(blocks.shape[1] == k // elems * nbytes, f"{gguf_type} row of {k} needs {k // elems * nbytes} bytes")
     check_same_device(x, blocks, *([bias] if bias is not None else []))
     if bias is not None:
         require(bias.shape == (n,), f"bias must be [{n}]")
     x = unit_stride_last(x)
     blocks = unit_stride_last(blocks)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     tuning = tuning_for_device(x.device)
     common = dict(
         x_ptr=x,
@@ -219,7 +220,7 @@ def gguf_linear(
         HAS_BIAS=bias is not None,
     )
     if m <= GEMV_MAX_ROWS:
-        tile = tuning.qgemv
+        tile = gemv_tile(n, m, tuning, tuning.qgemv)
         grid = (cdiv(n, tile.block_n), m)
         launch(_gguf_gemv_kernel, grid, tile, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
     else:
@@ -356,6 +357,7 @@ def gptq_linear(
     bias: torch.Tensor | None = None,
     *,
     zero_offset: int = 1,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ W for a 4-bit GPTQ matrix W [k, n] (the checkpoint's in_features x out_features).
 
@@ -383,7 +385,7 @@ def gptq_linear(
         require(bias.shape == (n,), f"bias must be [{n}]")
     x = unit_stride_last(x)
     qweight, qzeros, scales, g_idx = (t.contiguous() for t in (qweight, qzeros, scales, g_idx))
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     tuning = tuning_for_device(x.device)
     common = dict(
         x_ptr=x,
@@ -404,10 +406,8 @@ def gptq_linear(
         HAS_BIAS=bias is not None,
     )
     if m <= GEMV_MAX_ROWS:
-        tile = tuning.qgemv
-        launch(
-            _gptq_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=64, **common
-        )
+        tile = gemv_tile(n, m, tuning, tuning.qgemv, min_block=16)
+        launch(_gptq_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=64, **common)
     else:
         tile = tuning.qgemm
         launch(
@@ -425,15 +425,22 @@ def gptq_linear(
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [m, k] @ W^T for any weight this package computes with: dense [n, k], PackedWeight gguf or gptq.4."""
+    """x [m, k] @ W^T for any weight this package computes with: dense [n, k], PackedWeight gguf or gptq.4.
+    The output has x's dtype unless out_dtype names another."""
     if isinstance(weight, torch.Tensor):
-        return dense_linear(x, weight, bias)
+        return dense_linear(x, weight, bias, out_dtype=out_dtype)
     if weight.layout == "gguf":
-        return gguf_linear(x, weight.parts["blocks"], str(weight.meta.get("type")), bias)
+        return gguf_linear(x, weight.parts["blocks"], str(weight.meta.get("type")), bias, out_dtype=out_dtype)
     if weight.layout == "gptq" and int(weight.meta.get("bits", 0)) == 4:
         p = weight.parts
         offset = 0 if weight.meta.get("checkpoint_format") == "gptq_v2" else 1
-        return gptq_linear(x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bias, zero_offset=offset)
+        return gptq_linear(
+            x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bias, zero_offset=offset, out_dtype=out_dtype
+        )
     raise Unsupported(Reason.QUANTIZATION, weight.kind, "Triton kernels compute gguf and 4-bit gptq layouts")

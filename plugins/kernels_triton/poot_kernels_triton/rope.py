@@ -29,6 +29,7 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     COPY_REST: tl.constexpr,
     BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -38,12 +39,20 @@ def _rope_kernel(
     mask = (h[:, None] < heads) & dmask[None, :]
     cos = tl.load(cos_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    src = x_ptr + t * x_stride_t + h[:, None] * x_stride_h + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + t * out_stride_t + h[:, None] * out_stride_h + d[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        # pairs (0, 1), (2, 3), ...: llama.cpp's layout of q and k
+        first = 2 * d
+        second = 2 * d + 1
+    else:
+        # neox: dimension i pairs with i + HALF
+        first = d
+        second = d + HALF
+    src = x_ptr + t * x_stride_t + h[:, None] * x_stride_h
+    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + t * out_stride_t + h[:, None] * out_stride_h
+    tl.store(dst + first[None, :], (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + second[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
     if COPY_REST:
         # partial rotary, out of place: the dimensions past the rotary ones pass through
         r = 2 * HALF + tl.arange(0, BLOCK_REST)
@@ -66,7 +75,12 @@ def rope_cos_sin(
 
 
 def _rope_one(
-    x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
     tokens, heads, head_dim = x.shape
     half = cos.shape[1]
@@ -95,7 +109,33 @@ def _rope_one(
         BLOCK_HALF=block_half,
         COPY_REST=copy_rest,
         BLOCK_REST=next_pow2(max(1, head_dim - 2 * half)),
+        INTERLEAVED=interleaved,
     )
+
+
+def rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """Rotate one tensor x [tokens, heads, head_dim] by its positions: neox style (i pairs with
+    i + rotary_dim/2), or interleaved (pairs (0, 1), (2, 3), ...). Tables and dtypes as in `apply_rope`."""
+    check_dims("x", x, 3)
+    check_float("x", x)
+    check_dims("positions", positions, 1)
+    check_same_device(x, positions, cos, sin)
+    require(x.shape[0] == positions.shape[0], "x and positions disagree on the token count")
+    require(cos.shape == sin.shape and cos.dim() == 2, "cos and sin must be [max_positions, rotary_dim // 2]")
+    require(2 * cos.shape[1] <= x.shape[2], f"rotary dim {2 * cos.shape[1]} exceeds head size {x.shape[2]}")
+    require(x.stride(2) == 1, "x needs a contiguous last dimension")
+    require(cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos and sin must be contiguous alike")
+    out = x if inplace else torch.empty_like(x)
+    _rope_one(x, out, positions, cos, sin, interleaved)
+    return out
 
 
 def apply_rope(
@@ -196,9 +236,7 @@ def write_kv(
     tokens, kv_heads, head_dim = k.shape
     require(v.shape == k.shape, "k and v shapes differ")
     require(k_cache.shape == v_cache.shape, "k and v caches differ in shape")
-    require(
-        k_cache.shape[0] == kv_heads and k_cache.shape[2] == head_dim, "cache and k disagree on heads/dim"
-    )
+    require(k_cache.shape[0] == kv_heads and k_cache.shape[2] == head_dim, "cache and k disagree on heads/dim")
     require(positions.shape == (tokens,), "positions must be [tokens]")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         require(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")

@@ -176,13 +176,9 @@ def _sample_kernel(
     tl.store(out_ptr + row, tl.where(greedy, argmax, chosen))
 
 
-def _per_row(
-    value: float | int | torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
+def _per_row(value: float | int | torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        require(
-            value.shape == (rows,), f"per-row sampling parameter must be [{rows}], got {tuple(value.shape)}"
-        )
+        require(value.shape == (rows,), f"per-row sampling parameter must be [{rows}], got {tuple(value.shape)}")
         return value.to(device=device, dtype=dtype).contiguous()
     return torch.full((rows,), value, dtype=dtype, device=device)
 

@@ -169,9 +169,7 @@ def tuning_for_device(device: torch.device) -> Tuning:
     if device.type == "cpu":
         return INTERPRETER
     if device.type != "cuda":
-        raise Unsupported(
-            Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter"
-        )
+        raise Unsupported(Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter")
     props = torch.cuda.get_device_properties(device)
     if torch.version.hip:
         return tuning_for_target("hip", props.gcnArchName)

@@ -1,0 +1,430 @@
+"""A prepared graph on the GPU: each node bound once to a Triton kernel call, then run as a plain loop.
+
+Activations between matmuls are the weights' 16-bit dtype; the residual stream (embed output and every
+add feeding it) is float32, as on the CPU executor. An add followed by an rms_norm of its sum runs as one
+fused kernel. Steps of one token per row are captured once as a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import poot_kernels_triton as ktr
+from poot_backend_cuda.weights import DeviceWeights
+from poot_core import Graph, Node, PackedWeight, Reason, Unsupported
+
+GATED = frozenset({"silu", "gelu_tanh"})
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+ROPE_STYLES = frozenset({"neox", "interleaved"})
+
+
+@dataclass
+class Step:
+    """What one run sees: device inputs, host copies of the positions (prefill reads its start on the
+    host), the state buffers and the values computed so far."""
+
+    env: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    host_positions: np.ndarray | None
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+StepFn = Callable[[Step], None]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Binder:
+    """Turns graph nodes into step functions over one DeviceWeights."""
+
+    def __init__(self, graph: Graph, weights: DeviceWeights, rope_tables: Callable[..., Any]) -> None:
+        self.graph = graph
+        self.w = weights
+        self.act = weights.act_dtype
+        self.rope_tables = rope_tables
+        self.users: dict[str, int] = {}
+        for node in graph.nodes:
+            for name in node.inputs:
+                self.users[name] = self.users.get(name, 0) + 1
+        for name in graph.outputs:
+            self.users[name] = self.users.get(name, 0) + 1
+
+    def weight(self, name: str) -> Any:
+        if not name:
+            return None
+        if not name.startswith("w:"):
+            raise Unsupported(Reason.OPERATION, name, "the cuda backend expects a stored weight here")
+        return self.w.tensors[name[2:]]
+
+    def bind_all(self) -> list[StepFn]:
+        nodes = self.graph.nodes
+        steps: list[StepFn] = []
+        i = 0
+        while i < len(nodes):
+            node = nodes[i]
+            nxt = nodes[i + 1] if i + 1 < len(nodes) else None
+            if node.op == "add" and nxt is not None and nxt.op == "rms_norm" and nxt.inputs[0] == node.output:
+                steps.append(self.add_rms_norm(node, nxt))
+                i += 2
+                continue
+            group, end = self.linear_group(i)
+            if len(group) > 1:
+                fused = self.fused_linear(group, nodes[i:end])
+                if fused is not None:
+                    steps.append(fused)
+                    i = end
+                    continue
+            steps.append(self.bind(node))
+            i += 1
+        return steps
+
+    # --- fusions ---------------------------------------------------------------------------------------
+    def linear_group(self, i: int) -> tuple[list[Node], int]:
+        """Consecutive linear nodes (possibly with reshapes of earlier ones between) reading the same input
+        with no bias: q/k/v, gate/up. Returns them and the index of the first node after the run."""
+        nodes = self.graph.nodes
+        first = nodes[i]
+        if first.op != "linear" or first.inputs[2]:
+            return [first], i + 1
+        group = [first]
+        j = i + 1
+        while j < len(nodes):
+            n = nodes[j]
+            if n.op == "reshape" and n.inputs[0] in {g.output for g in group}:
+                j += 1
+                continue
+            if n.op == "linear" and n.inputs[0] == first.inputs[0] and not n.inputs[2]:
+                group.append(n)
+                j += 1
+                continue
+            break
+        while group[-1] is not nodes[j - 1]:  # a trailing reshape belongs to the nodes after the run
+            j -= 1
+        return group, j
+
+    def fused_linear(self, group: list[Node], span: list[Node]) -> StepFn | None:
+        names = tuple(n.inputs[1][2:] for n in group)
+        if not all(n.inputs[1].startswith("w:") for n in group):
+            return None
+        joined = self.w.concatenated(names)
+        if joined is None:
+            return None
+        widths = [self.w.tensors[name].shape[0] for name in names]
+        x_name = group[0].inputs[0]
+        outs = [(n.output, n.shape) for n in group]
+        act = self.act
+
+        def run(s: Step) -> None:
+            x = _rows(s.env[x_name])
+            if x.dtype != act:
+                x = x.to(act)
+            y = ktr.linear(x, joined)
+            start = 0
+            for (out, shape), width in zip(outs, widths, strict=True):
+                s.env[out] = y[:, start : start + width].reshape(shape)
+                start += width
+
+        # the reshapes between the fused linears still run, after it, in their own steps
+        reshapes = [n for n in span if n.op == "reshape"]
+        later = [self.bind(n) for n in reshapes]
+        if not later:
+            return run
+
+        def run_all(s: Step) -> None:
+            run(s)
+            for fn in later:
+                fn(s)
+
+        return run_all
+
+    def add_rms_norm(self, add: Node, norm: Node) -> StepFn:
+        a_name, b_name = add.inputs
+        w = self.weight(norm.inputs[1])
+        eps, offset = float(norm.attrs["eps"]), float(norm.attrs.get("offset", 0.0))
+        act = self.act
+
+        def run(s: Step) -> None:
+            a, b = s.env[a_name], s.env[b_name]
+            # the float32 operand is the residual stream; the sum keeps its dtype
+            residual, x = (a, b) if a.dtype == torch.float32 or b.dtype != torch.float32 else (b, a)
+            total, normed = ktr.add_rms_norm(_rows(x), _rows(residual), w, eps, weight_offset=offset, out_dtype=act)
+            s.env[add.output] = total.reshape(add.shape)
+            s.env[norm.output] = normed.reshape(norm.shape)
+
+        return run
+
+    # --- single nodes ----------------------------------------------------------------------------------
+    def bind(self, node: Node) -> StepFn:
+        handler = getattr(self, f"op_{node.op}", None)
+        if handler is None:
+            raise Unsupported(Reason.OPERATION, node.op, "the cuda backend has no kernel for it")
+        return handler(node)
+
+    def op_embed(self, node: Node) -> StepFn:
+        table = self.weight(node.inputs[0])
+        tok_name, out, shape = node.inputs[1], node.output, node.shape
+        scale = node.attrs.get("scale")
+        if isinstance(table, PackedWeight):
+            if table.layout != "gguf":
+                raise Unsupported(Reason.QUANTIZATION, f"{table.kind} embedding", "gguf or dense tables only")
+            blocks, qtype = table.parts["blocks"], str(table.meta.get("type"))
+            eye = torch.eye(table.shape[1], dtype=torch.float32, device=self.w.device)
+
+            def rows(tokens: torch.Tensor) -> torch.Tensor:
+                # dequantize only the chosen rows: identity @ rows^T, on the device (graph safe)
+                picked = blocks.index_select(0, tokens)
+                return ktr.gguf_linear(eye, picked, qtype).t()
+        else:
+
+            def rows(tokens: torch.Tensor) -> torch.Tensor:
+                return F.embedding(tokens, table).float()
+
+        def run(s: Step) -> None:
+            y = rows(s.env[tok_name].reshape(-1))
+            if scale is not None:
+                y = y * scale
+            s.env[out] = y.reshape(shape)
+
+        return run
+
+    def op_rms_norm(self, node: Node) -> StepFn:
+        x_name, out, shape = node.inputs[0], node.output, node.shape
+        w = self.weight(node.inputs[1])
+        eps, offset, act = float(node.attrs["eps"]), float(node.attrs.get("offset", 0.0)), self.act
+
+        def run(s: Step) -> None:
+            _, normed = ktr.add_rms_norm(_rows(s.env[x_name]), None, w, eps, weight_offset=offset, out_dtype=act)
+            s.env[out] = normed.reshape(shape)
+
+        return run
+
+    def op_linear(self, node: Node) -> StepFn:
+        x_name, out, shape = node.inputs[0], node.output, node.shape
+        w, b = self.weight(node.inputs[1]), self.weight(node.inputs[2])
+        act = self.act
+
+        def run(s: Step) -> None:
+            x = _rows(s.env[x_name])
+            if x.dtype != act:
+                x = x.to(act)
+            s.env[out] = ktr.linear(x, w, b).reshape(shape)
+
+        return run
+
+    def op_logits(self, node: Node) -> StepFn:
+        x_name, out, shape = node.inputs[0], node.output, node.shape
+        w = self.weight(node.inputs[1])
+        softcap, act = node.attrs.get("softcap"), self.act
+
+        def run(s: Step) -> None:
+            x = _rows(s.env[x_name])
+            if x.dtype != act:
+                x = x.to(act)
+            y = ktr.linear(x, w, out_dtype=torch.float32)
+            if softcap is not None:
+                y = torch.tanh(y / softcap) * softcap
+            s.env[out] = y.reshape(shape)
+
+        return run
+
+    def op_reshape(self, node: Node) -> StepFn:
+        x_name, out, shape = node.inputs[0], node.output, node.shape
+
+        def run(s: Step) -> None:
+            s.env[out] = s.env[x_name].reshape(shape)
+
+        return run
+
+    def op_rope(self, node: Node) -> StepFn:
+        a = node.attrs
+        if a["style"] not in ROPE_STYLES:
+            raise Unsupported(Reason.OPERATION, f"rope:{a['style']}", f"rope styles {sorted(ROPE_STYLES)}")
+        cos, sin = self.rope_tables(a["theta"], a["dim"], a.get("scaling") or {}, self.graph.shape.capacity)
+        x_name, pos_name, out, shape = node.inputs[0], node.inputs[1], node.output, node.shape
+        interleaved = a["style"] == "interleaved"
+
+        def run(s: Step) -> None:
+            x = s.env[x_name]
+            flat = x.reshape(-1, x.shape[-2], x.shape[-1])
+            y = ktr.rotate(flat, s.env[pos_name].reshape(-1), cos, sin, interleaved=interleaved, inplace=False)
+            s.env[out] = y.reshape(shape)
+
+        return run
+
+    def op_attention(self, node: Node) -> StepFn:
+        q_name, k_name, v_name, pos_name, kc_name, vc_name = node.inputs
+        kc_key, vc_key = kc_name[2:], vc_name[2:]
+        a = node.attrs
+        scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
+        rows, tokens = self.graph.shape.rows, self.graph.shape.tokens
+        out, shape = node.output, node.shape
+
+        def run(s: Step) -> None:
+            q, k, v, pos = s.env[q_name], s.env[k_name], s.env[v_name], s.env[pos_name]
+            kc, vc = s.state[kc_key], s.state[vc_key]
+            for r in range(rows):
+                ktr.write_kv(k[r], v[r], kc[r], vc[r], pos[r])
+            if tokens == 1:
+                lens = s.cache.get("kv_lens")
+                if lens is None:
+                    lens = s.cache["kv_lens"] = pos[:, 0] + 1
+                o = ktr.decode_attention(q[:, 0], kc, vc, lens, scale=scale, window=window, softcap=softcap)
+                s.env[out] = o.reshape(shape)
+                return
+            outs = []
+            for r in range(rows):
+                start = int(s.host_positions[r, 0])
+                outs.append(
+                    ktr.prefill_attention(q[r], kc[r], vc[r], start, scale=scale, window=window, softcap=softcap)
+                )
+            s.env[out] = torch.stack(outs).reshape(shape)
+
+        return run
+
+    def op_gated(self, node: Node) -> StepFn:
+        act = node.attrs["act"]
+        if act not in GATED:
+            raise Unsupported(Reason.OPERATION, f"gated:{act}", f"the cuda backend's gated kernel does {sorted(GATED)}")
+        g_name, u_name, out, shape = node.inputs[0], node.inputs[1], node.output, node.shape
+
+        def run(s: Step) -> None:
+            s.env[out] = ktr.gated_activation(_rows(s.env[g_name]), _rows(s.env[u_name]), kind=act).reshape(shape)
+
+        return run
+
+    def op_activation(self, node: Node) -> StepFn:
+        act = node.attrs["act"]
+        fn = ACTIVATIONS.get(act)
+        if fn is None:
+            raise Unsupported(Reason.OPERATION, f"activation:{act}", f"known: {sorted(ACTIVATIONS)}")
+        x_name, out = node.inputs[0], node.output
+
+        def run(s: Step) -> None:
+            s.env[out] = fn(s.env[x_name])
+
+        return run
+
+    def _binary(self, node: Node, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> StepFn:
+        a_name, b_name, out = node.inputs[0], node.inputs[1], node.output
+        b_weight = self.weight(b_name) if b_name.startswith("w:") else None
+        if isinstance(b_weight, PackedWeight):
+            raise Unsupported(Reason.QUANTIZATION, f"{b_weight.kind} operand of {node.op}", "dense only")
+
+        def run(s: Step) -> None:
+            b = b_weight if b_weight is not None else s.env[b_name]
+            s.env[out] = fn(s.env[a_name].float(), b.float())
+
+        return run
+
+    def op_add(self, node: Node) -> StepFn:
+        return self._binary(node, torch.add)
+
+    def op_mul(self, node: Node) -> StepFn:
+        return self._binary(node, torch.mul)
+
+    def op_scale(self, node: Node) -> StepFn:
+        x_name, out, factor = node.inputs[0], node.output, float(node.attrs["factor"])
+
+        def run(s: Step) -> None:
+            s.env[out] = s.env[x_name] * factor
+
+        return run
+
+    def op_last_position(self, node: Node) -> StepFn:
+        x_name, out = node.inputs[0], node.output
+
+        def run(s: Step) -> None:
+            s.env[out] = s.env[x_name][:, -1:, :]
+
+        return run
+
+
+class CudaProgram:
+    """Runs the bound steps. A step of one token per row is captured once (per state object) as a CUDA
+    graph whose inputs are copied into fixed device buffers before each replay."""
+
+    def __init__(self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool) -> None:
+        self.graph = graph
+        self.steps = steps
+        self.device = device
+        self.use_graph = use_graph
+        self.input_names = sorted(graph.inputs)
+        self._cuda_graph: torch.cuda.CUDAGraph | None = None
+        self._graph_state: Any = None
+        self._static_in: torch.Tensor | None = None
+        self._host_in: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        self._outputs: list[torch.Tensor] = []
+
+    def _eager(
+        self, state: dict[str, torch.Tensor], env: dict[str, Any], host_positions: np.ndarray | None
+    ) -> list[Any]:
+        step = Step(env, state, host_positions)
+        for fn in self.steps:
+            fn(step)
+        return [step.env[name] for name in self.graph.outputs]
+
+    def _device_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise Unsupported(Reason.SHAPE, f"inputs {missing}", "the step needs them")
+        return {
+            n: torch.as_tensor(np.ascontiguousarray(inputs[n], dtype=np.int64)).to(self.device)
+            for n in self.input_names
+        }
+
+    def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[Any]:
+        with torch.inference_mode():
+            if not self.use_graph:
+                env: dict[str, Any] = dict(self._device_inputs(inputs))
+                return self._eager(state, env, inputs.get("positions"))
+            if self._cuda_graph is None or self._graph_state is not state:
+                self._capture(state, inputs)
+            self._load_inputs(inputs)
+            self._cuda_graph.replay()
+            # a copy, so an output survives the next replay (a few microseconds for one row of logits)
+            return [o.clone() for o in self._outputs]
+
+    def _load_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffer may still be in flight from the last step
+        for i, name in enumerate(self.input_names):
+            self._host_in[i].copy_(torch.from_numpy(np.asarray(inputs[name], dtype=np.int64).reshape(-1)))
+        self._static_in.copy_(self._host_in, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def _capture(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> None:
+        shape = self.graph.inputs[self.input_names[0]].shape
+        width = int(np.prod(shape))
+        self._static_in = torch.zeros((len(self.input_names), width), dtype=torch.int64, device=self.device)
+        self._host_in = torch.zeros((len(self.input_names), width), dtype=torch.int64).pin_memory()
+        self._load_inputs(inputs)
+        env = {n: self._static_in[i].reshape(self.graph.inputs[n].shape) for i, n in enumerate(self.input_names)}
+        # the first runs compile the kernels and settle the allocator, outside the capture; they write
+        # the same K/V the replay will write again, so running them is harmless
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._eager(state, dict(env), None)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._outputs = self._eager(state, dict(env), None)
+        self._cuda_graph = graph
+        self._graph_state = state
