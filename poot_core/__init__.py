@@ -17,6 +17,7 @@ from poot_core.driver.core import (
     Timings,
 )
 from poot_core.driver.sampling import Sampler
+from poot_core.encoders import CrossEncoder, SentenceEncoder
 from poot_core.errors import (
     CapacityError,
     CheckpointError,
@@ -52,4 +53,5 @@ __all__ = [
     "PluginError", "PootError", "Program", "Reason", "Registry", "RequestError", "Sampler", "StateSpec",
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
     "hookimpl", "installed_backends", "open_executor", "require_ops", "weight_kind",
+    "CrossEncoder", "SentenceEncoder",
 ]

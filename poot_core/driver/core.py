@@ -244,6 +244,72 @@ class Driver:
             return int(greedy(logits))
         return sampler.sample(self.executor.to_numpy(logits)[0, -1], history)
 
+    # --- encode: the final hidden state of every position (embeddings) ---------------------------------
+    def prepare_encode(self, rows: int, longest: int) -> None:
+        """Prepare the encode step for `rows` token rows of up to `longest` tokens. Each prepared shape has
+        its own state, so encoding never disturbs the decode cache."""
+        if rows < 1 or longest < 1:
+            raise RequestError(f"prepare_encode needs positive rows and longest, got {rows} and {longest}")
+        if longest > self.config.max_positions:
+            raise CapacityError(f"{longest} tokens exceed the model's {self.config.max_positions} positions")
+        programs = self._encode_programs()
+        shape = StepShape(rows, longest, longest, hidden=True)
+        if shape in programs:
+            return
+        tracer = Tracer(shape, self._shapes)
+        try:
+            self.family.trace(self.config, tracer, shape)
+        except KeyError as exc:
+            raise Unsupported(Reason.SHAPE, f"{self.family.name} step {shape}",
+                              f"the checkpoint lacks weight {exc.args[0]}") from exc
+        prog = self.executor.prepare(tracer.graph, self.weights)
+        programs[shape] = (prog, tracer.graph, self.executor.allocate_state(tracer.graph))
+
+    def encode(self, token_rows: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """float32 [len(row), D] per row: the final hidden state of every position. Runs the smallest
+        prepared shape that holds the rows (padded at the end, masked out); never prepares one itself.
+        `token_types` (segment ids, same lengths as the rows) matter to encoders that read them."""
+        rows = [self._check_ids(r) for r in token_rows]
+        if not rows:
+            raise RequestError("encode needs at least one token row")
+        if token_types is not None and [len(t) for t in token_types] != [len(r) for r in rows]:
+            raise RequestError("token_types must have one id per token of each row")
+        longest = max(len(r) for r in rows)
+        fitting = [s for s in self._encode_programs() if s.rows >= len(rows) and s.tokens >= longest]
+        if not fitting:
+            prepared = ", ".join(f"{s.rows}x{s.tokens}" for s in self._encode_programs()) or "none"
+            raise Unsupported(Reason.SHAPE, f"encode of {len(rows)} rows up to {longest} tokens",
+                              f"no prepared encode shape holds it (prepared rows x tokens: {prepared}); "
+                              "call prepare_encode first or send fewer or shorter rows")
+        shape = min(fitting, key=lambda s: (s.rows * s.tokens, s.rows))
+        prog, graph, state = self._encode_programs()[shape]
+        inputs = self._encode_inputs(shape, rows, token_types)
+        out = self.executor.to_numpy(prog.run(state, {k: v for k, v in inputs.items() if k in graph.inputs})[0])
+        return [np.asarray(out[i, : len(r)], dtype=np.float32) for i, r in enumerate(rows)]
+
+    def _encode_programs(self) -> dict[StepShape, tuple[Any, Any, Any]]:
+        programs = getattr(self, "_encode_prepared", None)
+        if programs is None:
+            programs = self._encode_prepared = {}
+        return programs
+
+    def _encode_inputs(self, shape: StepShape, rows: list[list[int]],
+                       token_types: list[list[int]] | None) -> dict[str, np.ndarray]:
+        """tokens, positions, token_types and mask [R, T]; padding rows keep one real token so that no
+        attention row is empty. Families whose position table starts later set params.position_offset."""
+        tokens = np.zeros((shape.rows, shape.tokens), dtype=np.int64)
+        types = np.zeros_like(tokens)
+        mask = np.zeros_like(tokens)
+        mask[:, 0] = 1
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+            mask[i, : len(r)] = 1
+            if token_types is not None:
+                types[i, : len(r)] = token_types[i]
+        offset = int(getattr(self.config.params, "position_offset", 0) or 0)
+        positions = np.broadcast_to(np.arange(shape.tokens, dtype=np.int64) + offset, tokens.shape).copy()
+        return {"tokens": tokens, "positions": positions, "token_types": types, "mask": mask}
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
