@@ -446,3 +446,26 @@ def test_templates_that_change_content(trim):
         assert rendered.unplaced == ()
     else:
         assert rendered.unplaced == (messages[0]["content"],)
+
+
+def test_message_cannot_open_a_turn_with_the_real_smollm2_tokenizer():
+    """The same on SmolLM2's own vocabulary (its tokenizer as poot reads it from the GGUF)."""
+    from poot_core import ModelHandle
+
+    tok = ModelHandle.load(smollm.gguf_path()).text().tokenizer
+    source = smollm2_template()
+    hf = hf_tokenizer(tok)
+    start = tok.token_to_id("<|im_start|>")
+    for messages in ([{"role": "user", "content": EVIL}], CONVERSATIONS["multi-turn"]):
+        rendered = compile_template(source).render(messages, bos_token="<|im_start|>", eos_token="<|im_end|>")
+        ids = encode_segments(tok, rendered.segments)
+        written = rendered.text.count("<|im_start|>") - sum(m["content"].count("<|im_start|>") for m in messages)
+        assert ids.count(start) == written
+        assert ids == hf.apply_chat_template(
+            messages,
+            chat_template=source,
+            tokenize=True,
+            sanitize_control_tokens=True,
+            return_dict=False,
+            add_generation_prompt=True,
+        )

@@ -181,6 +181,7 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str) -> None:
         self.source = source
         self.origin = origin
+        self._stops_cache: dict[tuple[str | None, str | None], tuple[str, ...]] = {}
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
@@ -230,7 +231,13 @@ class ChatTemplate:
         tools = _plain(tools)
         text = self._render(prepared, tools, add_generation_prompt, bos_token, eos_token, extra)
         spans, unplaced = self._message_spans(text, prepared, tools, add_generation_prompt, bos_token, eos_token, extra)
-        stops = self._stops(bos_token, eos_token, extra)
+        key = (bos_token, eos_token)
+        if extra:  # the probe depends on the extra variables too; only the common case is kept
+            stops = self._stops(bos_token, eos_token, extra)
+        elif key in self._stops_cache:
+            stops = self._stops_cache[key]
+        else:
+            stops = self._stops_cache[key] = self._stops(bos_token, eos_token, extra)
         return RenderedChat(text, stops, _cut(text, spans), tuple(unplaced))
 
     def _stops(self, bos_token: str | None, eos_token: str | None, extra: dict[str, Any]) -> tuple[str, ...]:
