@@ -97,12 +97,14 @@ def _gemm_kernel(
     )
 
 
-def gemv_tile(n: int, rows: int, tuning: Tuning, tile: Tile | None = None, min_block: int = 8) -> Tile:
+def gemv_tile(n: int, rows: int, tuning: Tuning, tile: Tile | None = None, min_block: int = 8, k: int = 0) -> Tile:
     """The GEMV tile for an output of width n: the tuning's tile, with narrower blocks when that would
     leave fewer programs than the target keeps busy (a 4096-wide projection in 64-wide blocks fills only
     64 programs, half an H200). `GEMV_OVERRIDE` replaces it (benchmark sweeps)."""
     if GEMV_OVERRIDE is not None and tile is None:
         return GEMV_OVERRIDE
+    if tile is None and (n, k) in GEMV_TILES:
+        return GEMV_TILES[(n, k)]
     tile = tuning.gemv if tile is None else tile
     block_n = tile.block_n
     while block_n > min_block and cdiv(n, block_n) * rows < tuning.decode_programs:
@@ -119,6 +121,8 @@ def gemv_tile(n: int, rows: int, tuning: Tuning, tile: Tile | None = None, min_b
 
 
 GEMV_OVERRIDE: Tile | None = None
+# Tiles measured best for particular (n, k) dense shapes on the running device (filled by a benchmark sweep).
+GEMV_TILES: dict[tuple[int, int], Tile] = {}
 
 
 def dense_linear(
@@ -164,7 +168,7 @@ def dense_linear(
         HAS_BIAS=bias is not None,
     )
     if m <= GEMV_MAX_ROWS:
-        tile = gemv_tile(n, m, tuning)
+        tile = gemv_tile(n, m, tuning, k=k)
         launch(
             _gemv_kernel,
             (cdiv(n, tile.block_n), m),

@@ -1,0 +1,414 @@
+"""GPU decode and prefill of a Llama-3-8B-shaped model on the cuda backend, beside the floor and transformers.
+
+Weights are random, built directly on the GPU (bf16, and 4-bit Q4_K / GPTQ when asked). Prints, in one run:
+the device-to-device copy bandwidth (the floor for a step that reads every weight once), a GEMV tile sweep
+per projection shape, poot's decode tok/s and achieved GB/s (prompt 128, 256 new tokens, greedy on the
+device, decode steps replayed from CUDA graphs), poot's prefill tok/s at 2048 tokens, and transformers'
+static-cache torch.compile decode and its prefill on the same shape.
+
+    python bench/gpu_decode.py --out results.json [--quant q4_k,gptq] [--no-hf] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+HF_LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def log(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+def events_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second of a large device-to-device copy (GB/s)."""
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), reps=10)
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+# --- weights ---------------------------------------------------------------------------------------------
+
+
+def q4k_blocks(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random Q4_K blocks with finite small f16 d and dmin, on the GPU."""
+    per_row = cols // 256
+    b = torch.randint(0, 256, (rows, per_row, 144), dtype=torch.uint8, device="cuda", generator=gen)
+    d = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).cuda()
+    b[:, :, 0:2] = d
+    b[:, :, 2:4] = d
+    return b.reshape(rows, per_row * 144)
+
+
+def gptq_parts(rows: int, cols: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    groups = cols // 128
+    big = 2**31 - 1
+    return {
+        "qweight": torch.randint(-big, big, (cols // 8, rows), dtype=torch.int32, device="cuda", generator=gen),
+        "qzeros": torch.randint(-big, big, (groups, rows // 8), dtype=torch.int32, device="cuda", generator=gen),
+        "scales": torch.full((groups, rows), 0.001, dtype=torch.float16, device="cuda"),
+        "g_idx": (torch.arange(cols, device="cuda", dtype=torch.int32) // 128),
+    }
+
+
+class GpuStore:
+    """A WeightStore stand-in whose tensors are already on the GPU (upload then moves nothing)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], quant: str | None, seed: int = 0) -> None:
+        from poot_core import PackedWeight
+
+        self.w: dict[str, Any] = {}
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for name, shape in shapes.items():
+            matrix = len(shape) == 2 and "embed" not in name and "lm_head" not in name
+            if len(shape) == 1:
+                self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+            elif matrix and quant == "q4_k":
+                blocks = q4k_blocks(shape[0], shape[1], gen)
+                self.w[name] = PackedWeight("gguf", shape, {"blocks": blocks}, {"type": "Q4_K"})
+            elif matrix and quant == "gptq":
+                meta = {"bits": 4, "group_size": 128, "sym": False, "desc_act": False}
+                self.w[name] = PackedWeight("gptq", shape, gptq_parts(shape[0], shape[1], gen), meta)
+            else:
+                t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+                t.normal_(0.0, 0.02, generator=gen)
+                self.w[name] = t
+
+    def names(self) -> list[str]:
+        return list(self.w)
+
+    def get(self, name: str) -> Any:
+        return self.w[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(w.shape) for n, w in self.w.items()}
+
+
+def llama_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    hd = d // hf["num_attention_heads"]
+    kv = hf["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (v, d),
+    }
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (d, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, d),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
+    return shapes
+
+
+# --- GEMV sweep ------------------------------------------------------------------------------------------
+
+
+def rotation(ws: list[torch.Tensor]) -> Any:
+    """A function returning the next of several weight copies (so timing reads memory, not the L2)."""
+    i = [0]
+
+    def nxt() -> torch.Tensor:
+        i[0] = (i[0] + 1) % len(ws)
+        return ws[i[0]]
+
+    return nxt
+
+
+def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
+    """Time the dense GEMV for each projection shape over a few tiles; install the best per shape."""
+    import poot_kernels_triton as ktr
+    from poot_kernels_triton import matmul
+    from poot_kernels_triton.tuning import Tile
+
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
+    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (v, d)}
+    tiles = [
+        Tile(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        for bn, bk, w, st in (
+            (8, 512, 4, 3),
+            (16, 256, 4, 3),
+            (16, 512, 4, 3),
+            (32, 256, 4, 3),
+            (16, 1024, 8, 2),
+            (32, 512, 8, 3),
+            (64, 256, 4, 3),
+            (8, 1024, 4, 4),
+        )
+    ]
+    report: dict[str, Any] = {}
+    for label, (n, k) in shapes.items():
+        copies = max(1, int(200e6 // (n * k * 2)))  # rotate weights past the 60 MB L2
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        nbytes = n * k * 2
+        nxt = rotation(ws)
+
+        ref = torch.nn.functional.linear(x.float(), ws[0].float())
+        rows = []
+        for tile in tiles:
+            matmul.GEMV_OVERRIDE = tile
+            try:
+                got = ktr.dense_linear(x, ws[0]).float()
+                err = float((got - ref).norm() / ref.norm())
+                ms = events_ms(lambda x=x, nxt=nxt: ktr.dense_linear(x, nxt()), reps=30)
+                rows.append((ms, tile, err))
+            except Exception as exc:  # a tile that fails to compile is skipped, reported
+                log(f"  {label} tile {tile} failed: {type(exc).__name__}: {exc}")
+        matmul.GEMV_OVERRIDE = None
+        torch_ms = events_ms(lambda x=x, nxt=nxt: torch.nn.functional.linear(x, nxt()), reps=30)
+        best_ms, best, best_err = min(rows, key=lambda r: r[0])
+        matmul.GEMV_TILES[(n, k)] = best
+        report[label] = {
+            "n": n,
+            "k": k,
+            "best_tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
+            "best_us": best_ms * 1e3,
+            "best_GBps": nbytes / (best_ms * 1e-3) / 1e9,
+            "rel_err": best_err,
+            "torch_cublas_us": torch_ms * 1e3,
+            "torch_GBps": nbytes / (torch_ms * 1e-3) / 1e9,
+            "all": [{"tile": [t.block_n, t.block_k, t.num_warps, t.num_stages], "us": m * 1e3} for m, t, _ in rows],
+        }
+        log(
+            f"  gemv {label:8s} n={n:6d} k={k:5d}: best {best.block_n}x{best.block_k} w{best.num_warps} "
+            f"s{best.num_stages} {best_ms * 1e3:7.1f} us {report[label]['best_GBps']:6.0f} GB/s "
+            f"(cuBLAS {torch_ms * 1e3:7.1f} us {report[label]['torch_GBps']:6.0f} GB/s) err {best_err:.1e} "
+            f"floor {nbytes / bandwidth / 1e3:6.1f} us"
+        )
+    return report
+
+
+# --- poot ------------------------------------------------------------------------------------------------
+
+
+def poot_run(
+    hf: dict[str, Any], quant: str | None, prompt: int, new: int, prefill: int, bandwidth: float
+) -> dict[str, Any]:
+    from poot_backend_cuda.executor import CudaExecutor
+    from poot_core import StepShape, Tracer
+    from poot_family_llama.plugin import DenseDecoder
+
+    family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
+    config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    store = GpuStore(llama_shapes(hf), quant)
+    ex = CudaExecutor()
+    weights = ex.upload(store)
+    del store
+    weight_bytes = weights.nbytes()
+    capacity = max(prompt + new, prefill)
+
+    def program(tokens: int):
+        shape = StepShape(1, tokens, capacity)
+        t = Tracer(shape, {n: tuple(w.shape) for n, w in weights.tensors.items()})
+        family.trace(config, t, shape)
+        return ex.prepare(t.graph, weights), t.graph
+
+    pre, graph = program(prompt)
+    dec, _ = program(1)
+    state = ex.allocate_state(graph)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, hf["vocab_size"], prompt)
+
+    def generate() -> tuple[float, float, list[int]]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
+        token = ex.greedy_token(out)
+        t1 = time.perf_counter()
+        toks = [token]
+        for step in range(new - 1):
+            pos = prompt + step
+            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[pos]])})[0]
+            token = ex.greedy_token(out)
+            toks.append(token)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, toks
+
+    generate()  # compiles kernels and captures the decode graph
+    runs = [generate() for _ in range(3)]
+    decode_s = statistics.median(r[1] for r in runs)
+    decode_tok_s = (new - 1) / decode_s
+    # KV read per step grows with the position; count its mean with the weights
+    kv_bytes = 2 * hf["num_hidden_layers"] * (hf["num_key_value_heads"] * 128) * 2 * (prompt + new / 2)
+    step_bytes = weight_bytes - hf["vocab_size"] * hf["hidden_size"] * 2 + kv_bytes  # the embed table is not read
+    result = {
+        "quant": quant or "bf16",
+        "weight_GB": weight_bytes / 1e9,
+        "decode_tok_s": decode_tok_s,
+        "decode_ms_per_token": 1e3 / decode_tok_s,
+        "achieved_GBps": step_bytes * decode_tok_s / 1e9,
+        "floor_tok_s": bandwidth * 1e9 / step_bytes,
+        "fraction_of_floor": decode_tok_s / (bandwidth * 1e9 / step_bytes),
+        "tokens_deterministic": runs[0][2] == runs[1][2],
+    }
+    # one replayed step alone, timed on the device (no host work): what the kernels take
+    step_inputs = {"tokens": np.array([[1]]), "positions": np.array([[prompt + new // 2]])}
+    result["graph_step_ms"] = events_ms(lambda: dec._cuda_graph.replay(), reps=50)
+    dec.run(state, step_inputs)
+    if prefill:
+        big, _ = program(prefill)
+        ids2 = rng.integers(0, hf["vocab_size"], prefill)
+        inputs = {"tokens": ids2[None, :], "positions": np.arange(prefill)[None, :]}
+        ms = events_ms(lambda: big.run(state, inputs), reps=5, warmup=2)
+        result["prefill_tokens"] = prefill
+        result["prefill_tok_s"] = prefill / (ms * 1e-3)
+    return result
+
+
+# --- transformers ----------------------------------------------------------------------------------------
+
+
+def hf_run(hf: dict[str, Any], prompt: int, new: int, prefill: int) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**hf)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, hf["vocab_size"], (1, prompt), device="cuda")
+    result: dict[str, Any] = {}
+    with torch.inference_mode():
+        if prefill:
+            big = torch.randint(0, hf["vocab_size"], (1, prefill), device="cuda")
+            ms = events_ms(lambda: model(big, use_cache=False, logits_to_keep=1), reps=5, warmup=2)
+            result["prefill_tok_s_eager_sdpa"] = prefill / (ms * 1e-3)
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+        def gen(n: int) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static", pad_token_id=0
+            )
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        t = time.perf_counter()
+        gen(new)
+        gen(new)  # compiles prefill and decode graphs
+        result["compile_s"] = time.perf_counter() - t
+        full = statistics.median(gen(new) for _ in range(3))
+        first = statistics.median(gen(1) for _ in range(3))
+    result["decode_tok_s"] = (new - 1) / (full - first)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--quant", default="", help="comma list of q4_k, gptq")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=2048)
+    args = ap.parse_args()
+    hf = {**HF_LLAMA3_8B, "num_hidden_layers": args.layers}
+    import triton
+
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shape": "llama-3-8b",
+        "layers": args.layers,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+    }
+    bw = copy_bandwidth()
+    out["copy_GBps"] = bw
+    log(f"device {out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
+    if not args.no_sweep:
+        out["gemv_sweep"] = gemv_sweep(hf, bw)
+    out["poot"] = []
+    for quant in [None] + [q for q in args.quant.split(",") if q]:
+        try:
+            r = poot_run(hf, quant, args.prompt, args.new, args.prefill if quant is None else 0, bw)
+        except Exception as exc:  # report and go on to the next variant
+            r = {"quant": quant, "error": f"{type(exc).__name__}: {exc}"}
+        out["poot"].append(r)
+        torch.cuda.empty_cache()
+        log("poot", json.dumps(r))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(out, fh, indent=1)
+    if not args.no_hf:
+        try:
+            out["transformers"] = hf_run(hf, args.prompt, args.new, args.prefill)
+        except Exception as exc:
+            out["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
+        log("transformers", json.dumps(out["transformers"]))
+    log(f"\n=== summary (Llama-3-8B shape, batch 1, prompt {args.prompt}, {args.new} new) ===")
+    log(f"copy bandwidth {bw:.0f} GB/s")
+    for r in out["poot"]:
+        if "error" in r:
+            log(f"poot {r['quant']}: ERROR {r['error']}")
+            continue
+        log(
+            f"poot {r['quant']:5s}: decode {r['decode_tok_s']:6.1f} tok/s, {r['achieved_GBps']:5.0f} GB/s, "
+            f"floor {r['floor_tok_s']:6.1f} tok/s ({100 * r['fraction_of_floor']:.0f}%), graph step "
+            f"{r['graph_step_ms']:.2f} ms"
+            + (f", prefill {r['prefill_tok_s']:.0f} tok/s" if "prefill_tok_s" in r else "")
+        )
+    t = out.get("transformers", {})
+    if "decode_tok_s" in t:
+        log(
+            f"transformers static+compile: decode {t['decode_tok_s']:.1f} tok/s, prefill(eager sdpa) "
+            f"{t.get('prefill_tok_s_eager_sdpa', 0):.0f} tok/s"
+        )
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
