@@ -88,9 +88,12 @@ class _EncoderBase:
 
     def _check_count(self, n: int) -> None:
         if n > self.rows:
-            raise Unsupported(Reason.SHAPE, f"{n} texts in one call",
-                              f"this encoder was loaded for at most {self.rows} texts per call; load it with "
-                              f"rows >= {n} or send fewer texts")
+            raise Unsupported(
+                Reason.SHAPE,
+                f"{n} texts in one call",
+                f"this encoder was loaded for at most {self.rows} texts per call; load it with "
+                f"rows >= {n} or send fewer texts",
+            )
 
     def _run(self, encodings: list[tokenizers.Encoding]) -> list[np.ndarray]:
         """Final hidden states [tokens, D] of each encoded text, padding excluded."""
@@ -109,8 +112,15 @@ class SentenceEncoder(_EncoderBase):
         self.pooling = pooling
 
     @classmethod
-    def load(cls, path: str | Path, executor: Executor | BackendChoice | str | None = None, rows: int = 8, *,
-             registry: Registry | None = None, options: LoadOptions | None = None) -> SentenceEncoder:
+    def load(
+        cls,
+        path: str | Path,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        *,
+        registry: Registry | None = None,
+        options: LoadOptions | None = None,
+    ) -> SentenceEncoder:
         """Load a checkpoint directory; `executor` is an open executor or a backend choice (None: auto).
         Reads modules.json and the pooling module's config.json the way sentence-transformers does."""
         options = options or LoadOptions()
@@ -175,16 +185,32 @@ def _pooling(root: Path, access: FileAccess) -> str:
         if short in ("Transformer", "Normalize"):
             continue  # the encoder itself; normalization is always applied
         if short != "Pooling":
-            raise Unsupported(Reason.OPERATION, f"sentence-transformers module {kind or module!r}",
-                              "poot applies only Transformer, Pooling and Normalize modules")
+            raise Unsupported(
+                Reason.OPERATION,
+                f"sentence-transformers module {kind or module!r}",
+                "poot applies only Transformer, Pooling and Normalize modules",
+            )
         cfg = _read_json(access, root / str(module.get("path", "")) / "config.json") or {}
         if not isinstance(cfg, dict):
             raise CheckpointError(root / str(module.get("path", "")), "pooling config is not an object")
-        chosen = [m for m in ("cls_token", "mean_tokens", "lasttoken", "max_tokens", "mean_sqrt_len_tokens",
-                              "weightedmean_tokens") if cfg.get(f"pooling_mode_{m}")]
+        chosen = [
+            m
+            for m in (
+                "cls_token",
+                "mean_tokens",
+                "lasttoken",
+                "max_tokens",
+                "mean_sqrt_len_tokens",
+                "weightedmean_tokens",
+            )
+            if cfg.get(f"pooling_mode_{m}")
+        ]
         if len(chosen) != 1 or chosen[0] not in ("cls_token", "mean_tokens", "lasttoken"):
-            raise Unsupported(Reason.OPERATION, f"pooling {'+'.join(chosen) or 'none'}",
-                              "poot pools by exactly one of CLS token, mean of tokens, last token")
+            raise Unsupported(
+                Reason.OPERATION,
+                f"pooling {'+'.join(chosen) or 'none'}",
+                "poot pools by exactly one of CLS token, mean of tokens, last token",
+            )
         pooling = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "lasttoken"}[chosen[0]]
     return pooling
 
@@ -198,15 +224,25 @@ class CrossEncoder(_EncoderBase):
         store = handle.store()
         steps = steps_of(handle.config(), set(store.names())) if steps_of else []
         if not steps:
-            raise Unsupported(Reason.OPERATION, f"sequence classification head of {handle.config().architecture}",
-                              f"the checkpoint or family {family.name} has no classifier head poot can read")
+            raise Unsupported(
+                Reason.OPERATION,
+                f"sequence classification head of {handle.config().architecture}",
+                f"the checkpoint or family {family.name} has no classifier head poot can read",
+            )
         # The head is small: float32 copies on the host, applied to the first token's hidden state.
         self._head = [(_f32(store.get(w)), None if b is None else _f32(store.get(b)), act) for w, b, act in steps]
         super().__init__(handle, executor, rows, max_length)
 
     @classmethod
-    def load(cls, path: str | Path, executor: Executor | BackendChoice | str | None = None, rows: int = 8, *,
-             registry: Registry | None = None, options: LoadOptions | None = None) -> CrossEncoder:
+    def load(
+        cls,
+        path: str | Path,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        *,
+        registry: Registry | None = None,
+        options: LoadOptions | None = None,
+    ) -> CrossEncoder:
         handle = ModelHandle.load(path, registry, options)
         return cls(handle, _open(executor), rows, handle.config().max_positions)
 
@@ -233,8 +269,11 @@ class CrossEncoder(_EncoderBase):
         """(index into docs, score), highest score first; the score is the head's single logit."""
         scores = self.logits(query, docs)
         if scores.shape[1] != 1:
-            raise Unsupported(Reason.SHAPE, f"a classifier head with {scores.shape[1]} labels",
-                              "rerank needs a single relevance score per pair; use logits()")
+            raise Unsupported(
+                Reason.SHAPE,
+                f"a classifier head with {scores.shape[1]} labels",
+                "rerank needs a single relevance score per pair; use logits()",
+            )
         order = sorted(range(len(scores)), key=lambda i: -float(scores[i, 0]))
         return [(i, float(scores[i, 0])) for i in order]
 

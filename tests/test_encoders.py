@@ -105,15 +105,25 @@ def _wordpiece_tokenizer(path: Path):
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(tiny.CORPUS, trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"], show_progress=False))
+    tok.train_from_iterator(
+        tiny.CORPUS,
+        trainers.WordPieceTrainer(
+            vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"], show_progress=False
+        ),
+    )
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
     # BERT's tokenizers return segment ids: the second text of a pair is type 1.
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", model_input_names=["input_ids", "token_type_ids",
-                                                                         "attention_mask"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
     fast.save_pretrained(path)
     return fast
 
@@ -126,13 +136,27 @@ def _roberta_tokenizer(path: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # XLM-R's special ids: <s> 0, <pad> 1, </s> 2 (pad 1 is also the position padding index).
-    tok.train_from_iterator(tiny.CORPUS, trainers.BpeTrainer(
-        vocab_size=220, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        tiny.CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=220,
+            special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", cls_token="<s>", sep_token="</s>")
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        cls_token="<s>",
+        sep_token="</s>",
+    )
     fast.save_pretrained(path)
     return fast
 
@@ -140,16 +164,30 @@ def _roberta_tokenizer(path: Path):
 def _build_cross_encoder(path: Path, arch: str):
     import transformers as tf
 
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                  num_labels=1, initializer_range=0.3, max_position_embeddings=130)
+    common = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=1,
+        initializer_range=0.3,
+        max_position_embeddings=130,
+    )
     if arch == "bert":
         fast = _wordpiece_tokenizer(path)
         config = tf.BertConfig(vocab_size=len(fast), hidden_act="gelu", **common)
         model = tf.BertForSequenceClassification(config)
     else:
         fast = _roberta_tokenizer(path)
-        config = tf.XLMRobertaConfig(vocab_size=len(fast), pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                     type_vocab_size=1, hidden_act="gelu_new", **common)
+        config = tf.XLMRobertaConfig(
+            vocab_size=len(fast),
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            type_vocab_size=1,
+            hidden_act="gelu_new",
+            **common,
+        )
         model = tf.XLMRobertaForSequenceClassification(config)
     torch.manual_seed(1)
     with torch.no_grad():  # layer norms away from identity, biases away from zero
@@ -161,8 +199,12 @@ def _build_cross_encoder(path: Path, arch: str):
 
 
 QUERY = "the capital of France"
-DOCS = ["Paris is the capital of France.", "a cat", "def add(a, b): return a + b",
-        "Once upon a time there was a small cat who liked to sleep in the sun, and Rome is in Italy."]
+DOCS = [
+    "Paris is the capital of France.",
+    "a cat",
+    "def add(a, b): return a + b",
+    "Once upon a time there was a small cat who liked to sleep in the sun, and Rome is in Italy.",
+]
 
 
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
@@ -186,12 +228,18 @@ def test_tiny_cross_encoder_matches_transformers(tmp_path, arch):
 def test_cls_pooling_of_a_plain_encoder_matches_transformers(tmp_path):
     """modules.json + 1_Pooling/config.json choosing the CLS token, on a tiny XLM-RoBERTa."""
     model, fast = _build_cross_encoder(tmp_path, "xlm-roberta")
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            ]
+        )
+    )
     (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    (tmp_path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+    )
     batch = fast(DOCS, padding=True, return_tensors="pt")
     with torch.no_grad():
         cls = model.roberta(**batch).last_hidden_state[:, 0].numpy()
@@ -225,5 +273,8 @@ def test_decoder_encode_matches_transformers_hidden_states(tmp_path):
     with pytest.raises(Unsupported):
         driver.encode([[1] * 9])  # longer than prepared
     # Encoding leaves generation's own cache alone: logits after encode equal logits before.
-    assert np.allclose(driver.logits(rows[0]), Driver(ModelHandle.load(path), open_executor("cpu"),
-                                                      DriverOptions(capacity=64)).logits(rows[0]), atol=1e-5)
+    assert np.allclose(
+        driver.logits(rows[0]),
+        Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=64)).logits(rows[0]),
+        atol=1e-5,
+    )

@@ -51,10 +51,17 @@ def params_from_hf(hf: dict[str, Any]) -> EncoderParams:
     classifier = any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs)
     labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
     return EncoderParams(
-        layers=int(_need(hf, "num_hidden_layers")), hidden=hidden, heads=heads, head_dim=hidden // heads,
-        intermediate=int(_need(hf, "intermediate_size")), norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
-        act=ACTIVATIONS[act_name], type_vocab=int(hf.get("type_vocab_size", 2)), position_offset=offset,
-        labels=int(labels), classifier=classifier,
+        layers=int(_need(hf, "num_hidden_layers")),
+        hidden=hidden,
+        heads=heads,
+        head_dim=hidden // heads,
+        intermediate=int(_need(hf, "intermediate_size")),
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        act=ACTIVATIONS[act_name],
+        type_vocab=int(hf.get("type_vocab_size", 2)),
+        position_offset=offset,
+        labels=int(labels),
+        classifier=classifier,
     )
 
 
@@ -65,5 +72,13 @@ def model_config(family: str, hf: dict[str, Any]) -> ModelConfig:
     if positions < 1:
         raise CheckpointError("config.json", f"max_position_embeddings {stored} leaves no usable position")
     arch = (hf.get("architectures") or [hf.get("model_type", family)])[0]
-    return ModelConfig(family=family, architecture=str(arch), vocab_size=int(_need(hf, "vocab_size")),
-                       max_positions=positions, hidden_size=p.hidden, kind="encoder", params=p, raw=hf)
+    return ModelConfig(
+        family=family,
+        architecture=str(arch),
+        vocab_size=int(_need(hf, "vocab_size")),
+        max_positions=positions,
+        hidden_size=p.hidden,
+        kind="encoder",
+        params=p,
+        raw=hf,
+    )

@@ -18,7 +18,7 @@ PREFIXES = ("", "bert.", "roberta.", "model.")
 def weight_prefix(names: set[str] | Tracer) -> str:
     for prefix in PREFIXES:
         key = prefix + "embeddings.word_embeddings.weight"
-        if (names.has_weight(key) if isinstance(names, Tracer) else key in names):
+        if names.has_weight(key) if isinstance(names, Tracer) else key in names:
             return prefix
     raise KeyError("embeddings.word_embeddings.weight")
 
@@ -29,8 +29,11 @@ def _w(t: Tracer, name: str) -> Value | None:
 
 def trace_encoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
     if not shape.hidden:
-        raise Unsupported(Reason.SHAPE, f"{cfg.family} step {shape}",
-                          "an encoder gives hidden states only (prepare it with Driver.prepare_encode)")
+        raise Unsupported(
+            Reason.SHAPE,
+            f"{cfg.family} step {shape}",
+            "an encoder gives hidden states only (prepare it with Driver.prepare_encode)",
+        )
     p: EncoderParams = cfg.params
     R, T = shape.rows, shape.tokens
     tokens = t.input("tokens", (R, T))

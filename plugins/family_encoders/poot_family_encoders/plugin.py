@@ -34,16 +34,20 @@ class Encoder(Family):
         for head in (BERT_HEAD, ROBERTA_HEAD):
             stems = [(pre + s if s.startswith("pooler") else s) for s, _ in head]
             if all(f"{s}.weight" in names for s in stems):
-                return [(f"{s}.weight", f"{s}.bias" if f"{s}.bias" in names else None, act)
-                        for s, (_, act) in zip(stems, head, strict=True)]
+                return [
+                    (f"{s}.weight", f"{s}.bias" if f"{s}.bias" in names else None, act)
+                    for s, (_, act) in zip(stems, head, strict=True)
+                ]
         return []
 
 
 FAMILIES = [
     Encoder("bert", ("BertModel", "BertForSequenceClassification", "BertForMaskedLM", "bert")),
     Encoder("roberta", ("RobertaModel", "RobertaForSequenceClassification", "RobertaForMaskedLM", "roberta")),
-    Encoder("xlm-roberta", ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "XLMRobertaForMaskedLM",
-                            "xlm-roberta")),
+    Encoder(
+        "xlm-roberta",
+        ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "XLMRobertaForMaskedLM", "xlm-roberta"),
+    ),
 ]
 
 
