@@ -87,7 +87,7 @@ class TextServices:
             raise TemplateError("this model ships no chat template; pass one (--chat-template-file)")
         v = self.vocab
         rendered = compile_template(source).render(messages, tools, add_generation_prompt=add_generation_prompt,
-                                                   bos_token=v.bos_token or "", eos_token=v.eos_token or "")
+                                                   bos_token=v.bos_token, eos_token=v.eos_token)
         return rendered
 
     def encode_chat(self, rendered: Any) -> list[int]:
@@ -100,7 +100,7 @@ class TextServices:
             if spelled:
                 raise TemplateError(f"a message spells the control token {spelled[0]!r} and the template changed "
                                     "that message, so poot cannot keep the token as plain text")
-        ids = encode_segments(self.tokenizer, rendered.segments)
+        ids = encode_segments(self.tokenizer, rendered.segments, self.vocab.control_tokens)
         v = self.vocab
         if v.add_bos and v.bos_id is not None and (not ids or ids[0] != v.bos_id):
             ids = [v.bos_id, *ids]

@@ -3,6 +3,7 @@ read from a Hugging Face config.json. GGUF metadata is translated into the same 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +80,17 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return theta, {}
-    if kind not in ("linear", "llama3"):
+    if kind not in ("linear", "llama3", "yarn"):
         raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", f"{hf.get('model_type')} config")
     return theta, scaling
+
+
+def _yarn_softmax_factor(scaling: dict[str, Any]) -> float:
+    """DeepSeek's YaRN also scales the attention softmax by mscale(factor, mscale_all_dim) squared."""
+    m_all = scaling.get("mscale_all_dim") if scaling.get("rope_type", scaling.get("type")) == "yarn" else None
+    if not m_all or scaling["factor"] <= 1:
+        return 1.0
+    return (0.1 * m_all * math.log(scaling["factor"]) + 1.0) ** 2
 
 
 def _windows(hf: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
@@ -193,7 +202,7 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> MoeParams:
         qk_norm=model_type == "qwen3_moe",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_style=style,
-        attn_scale=head_dim**-0.5,
+        attn_scale=head_dim**-0.5 * _yarn_softmax_factor(scaling),
         mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if model_type == "deepseek_v3" else 0,
     )
     if model_type == "mixtral":
