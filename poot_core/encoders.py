@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from poot_core.checkpoint.handle import LoadOptions, ModelHandle
+from poot_core.checkpoint.handle import LoadOptions, ModelHandle, WeightStore
 from poot_core.checkpoint.integrity import FileAccess
 from poot_core.driver.core import Driver, DriverOptions
 from poot_core.errors import CheckpointError, Reason, RequestError, Unsupported
@@ -26,6 +26,7 @@ from poot_core.registry import Registry
 
 POOLING_MODES = ("cls", "mean", "lasttoken")
 SMALLEST_BUCKET = 16
+BUFFER_SUFFIXES = (".position_ids", "embeddings.token_type_ids")
 
 
 def _buckets(limit: int, smallest: int = 1) -> list[int]:
@@ -52,6 +53,18 @@ def _read_json(access: FileAccess, path: Path) -> dict[str, Any] | list[Any] | N
         raise CheckpointError(path, f"not valid JSON: {exc}") from exc
 
 
+def _without_buffers(handle: ModelHandle) -> ModelHandle:
+    """The handle without the index buffers transformers saves beside BERT's weights
+    (embeddings.position_ids, token_type_ids): no graph reads them and backends need not upload them."""
+    store = handle.store()
+    keep = [n for n in store.names() if not n.endswith(BUFFER_SUFFIXES)]
+    if len(keep) == len(store.names()):
+        return handle
+    shapes = store.shapes()
+    filtered = WeightStore({n: (lambda n=n: store.get(n)) for n in keep}, {n: shapes[n] for n in keep})
+    return ModelHandle(handle.path, handle.family, handle.config(), handle.text(), filtered, handle.files_read)
+
+
 def _texts(texts: Sequence[str], what: str) -> list[str]:
     if isinstance(texts, str):
         raise RequestError(f"{what} must be a list of strings, not one string")
@@ -72,7 +85,7 @@ class _EncoderBase:
         self.config = handle.config()
         self.rows = rows
         self.max_length = max(1, min(max_length, self.config.max_positions))
-        self.driver = Driver(handle, executor, DriverOptions(capacity=self.config.max_positions))
+        self.driver = Driver(_without_buffers(handle), executor, DriverOptions(capacity=self.config.max_positions))
         # A copy of the checkpoint's tokenizer without its stored padding, truncating as transformers would.
         source = handle.text().tokenizer
         self.tokenizer = tokenizers.Tokenizer.from_str(source.to_str())
@@ -124,9 +137,19 @@ class SentenceEncoder(_EncoderBase):
         """Load a checkpoint directory; `executor` is an open executor or a backend choice (None: auto).
         Reads modules.json and the pooling module's config.json the way sentence-transformers does."""
         options = options or LoadOptions()
-        handle = ModelHandle.load(path, registry, options)
-        root = Path(path)
-        access = FileAccess(root, options.manifest())
+        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows, options)
+
+    @classmethod
+    def from_handle(
+        cls,
+        handle: ModelHandle,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        options: LoadOptions | None = None,
+    ) -> SentenceEncoder:
+        """The same over a checkpoint already opened (its directory holds the sentence-transformers files)."""
+        root = Path(handle.path)
+        access = FileAccess(root, (options or LoadOptions()).manifest())
         pooling = _pooling(root, access)
         st = _read_json(access, root / "sentence_bert_config.json")
         max_length = handle.config().max_positions
@@ -243,8 +266,18 @@ class CrossEncoder(_EncoderBase):
         registry: Registry | None = None,
         options: LoadOptions | None = None,
     ) -> CrossEncoder:
-        handle = ModelHandle.load(path, registry, options)
+        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows)
+
+    @classmethod
+    def from_handle(
+        cls, handle: ModelHandle, executor: Executor | BackendChoice | str | None = None, rows: int = 8
+    ) -> CrossEncoder:
         return cls(handle, _open(executor), rows, handle.config().max_positions)
+
+    @staticmethod
+    def serves(handle: ModelHandle) -> bool:
+        """Whether the checkpoint is a sequence-classification model (a reranker), by its architecture."""
+        return handle.config().architecture.endswith("ForSequenceClassification")
 
     def logits(self, query: str, docs: Sequence[str]) -> np.ndarray:
         """float32 [len(docs), labels]: the head's output for each (query, doc) pair, paired as the
