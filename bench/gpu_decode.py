@@ -54,6 +54,17 @@ def events_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 20, reps: int = 10) -> float:
+    """Microseconds per call of `fn`, captured `calls` times in one CUDA graph and replayed (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return events_ms(graph.replay, reps=reps) * 1e3 / calls
+
+
 def copy_bandwidth() -> float:
     """Bytes read plus written per second of a large device-to-device copy (GB/s)."""
     n = 1 << 30  # 2 GiB of bf16
@@ -162,7 +173,8 @@ def rotation(ws: list[torch.Tensor]) -> Any:
 
 
 def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
-    """Time the dense GEMV for each projection shape over a few tiles; install the best per shape."""
+    """Time the dense GEMV for each projection shape over a few tiles (inside a CUDA graph, as decode runs
+    them); install the best per shape."""
     import poot_kernels_triton as ktr
     from poot_kernels_triton import matmul
     from poot_kernels_triton.tuning import Tile
@@ -198,12 +210,12 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
             try:
                 got = ktr.dense_linear(x, ws[0]).float()
                 err = float((got - ref).norm() / ref.norm())
-                ms = events_ms(lambda x=x, nxt=nxt: ktr.dense_linear(x, nxt()), reps=30)
+                ms = graph_us(lambda x=x, nxt=nxt: ktr.dense_linear(x, nxt())) / 1e3
                 rows.append((ms, tile, err))
             except Exception as exc:  # a tile that fails to compile is skipped, reported
                 log(f"  {label} tile {tile} failed: {type(exc).__name__}: {exc}")
         matmul.GEMV_OVERRIDE = None
-        torch_ms = events_ms(lambda x=x, nxt=nxt: torch.nn.functional.linear(x, nxt()), reps=30)
+        torch_ms = graph_us(lambda x=x, nxt=nxt: torch.nn.functional.linear(x, nxt())) / 1e3
         best_ms, best, best_err = min(rows, key=lambda r: r[0])
         matmul.GEMV_TILES[(n, k)] = best
         report[label] = {
@@ -306,20 +318,20 @@ def poot_run(
 # --- transformers ----------------------------------------------------------------------------------------
 
 
-def hf_run(hf: dict[str, Any], prompt: int, new: int, prefill: int) -> dict[str, Any]:
+def hf_run(hf: dict[str, Any], prompt: int, new: int, prefill: int, result: dict[str, Any]) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**hf)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     ids = torch.randint(0, hf["vocab_size"], (1, prompt), device="cuda")
-    result: dict[str, Any] = {}
     with torch.inference_mode():
         if prefill:
             big = torch.randint(0, hf["vocab_size"], (1, prefill), device="cuda")
             ms = events_ms(lambda: model(big, use_cache=False, logits_to_keep=1), reps=5, warmup=2)
             result["prefill_tok_s_eager_sdpa"] = prefill / (ms * 1e-3)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # transformers compiles the decoding forward itself when the cache is static (its compile_config:
+        # torch.compile with CUDA graphs); compiling forward by hand as well breaks its graph replays
 
         def gen(n: int) -> float:
             torch.cuda.synchronize()
@@ -337,7 +349,7 @@ def hf_run(hf: dict[str, Any], prompt: int, new: int, prefill: int) -> dict[str,
         full = statistics.median(gen(new) for _ in range(3))
         first = statistics.median(gen(1) for _ in range(3))
     result["decode_tok_s"] = (new - 1) / (full - first)
-    return result
+    result["generate_s"] = full
 
 
 def main() -> int:
@@ -381,10 +393,11 @@ def main() -> int:
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1)
     if not args.no_hf:
+        out["transformers"] = {}
         try:
-            out["transformers"] = hf_run(hf, args.prompt, args.new, args.prefill)
-        except Exception as exc:
-            out["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
+            hf_run(hf, args.prompt, args.new, args.prefill, out["transformers"])
+        except Exception as exc:  # keep what was measured before the failure
+            out["transformers"]["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         log("transformers", json.dumps(out["transformers"]))
     log(f"\n=== summary (Llama-3-8B shape, batch 1, prompt {args.prompt}, {args.new} new) ===")
     log(f"copy bandwidth {bw:.0f} GB/s")
@@ -399,9 +412,9 @@ def main() -> int:
             + (f", prefill {r['prefill_tok_s']:.0f} tok/s" if "prefill_tok_s" in r else "")
         )
     t = out.get("transformers", {})
-    if "decode_tok_s" in t:
+    if t:
         log(
-            f"transformers static+compile: decode {t['decode_tok_s']:.1f} tok/s, prefill(eager sdpa) "
+            f"transformers static+compile: decode {t.get('decode_tok_s', 0):.1f} tok/s, prefill(eager sdpa) "
             f"{t.get('prefill_tok_s_eager_sdpa', 0):.0f} tok/s"
         )
     if args.out:

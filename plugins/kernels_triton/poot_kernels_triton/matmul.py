@@ -179,6 +179,9 @@ def dense_linear(
         )
     else:
         tile = tuning.gemm
+        if x.dtype == torch.float32 and tile.num_stages > 2:
+            # float32 tiles are twice the bytes: 4 stages of 128x64 + 64x128 overflow Hopper's shared memory
+            tile = Tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, 2, dict(tile.extra))
         launch(
             _gemm_kernel,
             (cdiv(m, tile.block_m), cdiv(n, tile.block_n)),
