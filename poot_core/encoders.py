@@ -25,17 +25,25 @@ from poot_core.executor import BackendChoice, Executor, open_executor
 from poot_core.registry import Registry
 
 POOLING_MODES = ("cls", "mean", "lasttoken")
-SMALLEST_BUCKET = 16
+LENGTH_STEP, COARSE_FROM, COARSE_STEP = 16, 256, 256
 BUFFER_SUFFIXES = (".position_ids", "embeddings.token_type_ids")
 
 
-def _buckets(limit: int, smallest: int = 1) -> list[int]:
-    """Powers of two from `smallest` below `limit`, then `limit` itself."""
-    sizes, n = [], smallest
+def _buckets(limit: int) -> list[int]:
+    """Powers of two below `limit`, then `limit` itself."""
+    sizes, n = [], 1
     while n < limit:
         sizes.append(n)
         n *= 2
     return [*sizes, limit]
+
+
+def _length_buckets(limit: int) -> list[int]:
+    """Multiples of 16 up to 256, then of 256, then `limit`: short texts (the common case) pad by less than
+    16 tokens, long ones by less than 256, and a long-context model still prepares few shapes."""
+    fine = list(range(LENGTH_STEP, min(limit, COARSE_FROM) + 1, LENGTH_STEP))
+    coarse = list(range(COARSE_FROM + COARSE_STEP, limit + 1, COARSE_STEP))
+    return sorted({*(b for b in fine + coarse if b < limit), limit})
 
 
 def _open(executor: Executor | BackendChoice | str | None) -> Executor:
@@ -92,7 +100,7 @@ class _EncoderBase:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_length, strategy="longest_first")
         for r in _buckets(rows):
-            for t in _buckets(self.max_length, min(SMALLEST_BUCKET, self.max_length)):
+            for t in _length_buckets(self.max_length):
                 self.driver.prepare_encode(r, t)
 
     @property
@@ -133,11 +141,15 @@ class SentenceEncoder(_EncoderBase):
         *,
         registry: Registry | None = None,
         options: LoadOptions | None = None,
+        max_length: int | None = None,
     ) -> SentenceEncoder:
         """Load a checkpoint directory; `executor` is an open executor or a backend choice (None: auto).
-        Reads modules.json and the pooling module's config.json the way sentence-transformers does."""
+        Reads modules.json and the pooling module's config.json the way sentence-transformers does.
+        Texts are truncated to `max_length` tokens (default: sentence_bert_config.json's max_seq_length,
+        else the model's positions)."""
         options = options or LoadOptions()
-        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows, options)
+        handle = ModelHandle.load(path, registry, options)
+        return cls.from_handle(handle, executor, rows, options, max_length=max_length)
 
     @classmethod
     def from_handle(
@@ -146,16 +158,18 @@ class SentenceEncoder(_EncoderBase):
         executor: Executor | BackendChoice | str | None = None,
         rows: int = 8,
         options: LoadOptions | None = None,
+        *,
+        max_length: int | None = None,
     ) -> SentenceEncoder:
         """The same over a checkpoint already opened (its directory holds the sentence-transformers files)."""
         root = Path(handle.path)
         access = FileAccess(root, (options or LoadOptions()).manifest())
         pooling = _pooling(root, access)
         st = _read_json(access, root / "sentence_bert_config.json")
-        max_length = handle.config().max_positions
+        limit = handle.config().max_positions
         if isinstance(st, dict) and st.get("max_seq_length"):
-            max_length = int(st["max_seq_length"])
-        return cls(handle, _open(executor), rows, pooling, max_length)
+            limit = int(st["max_seq_length"])
+        return cls(handle, _open(executor), rows, pooling, max_length or limit)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [len(texts), D], each row L2-normalized. At most `rows` texts per call."""
@@ -265,14 +279,22 @@ class CrossEncoder(_EncoderBase):
         *,
         registry: Registry | None = None,
         options: LoadOptions | None = None,
+        max_length: int | None = None,
     ) -> CrossEncoder:
-        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows)
+        """Load a sequence-classification checkpoint; pairs are truncated to `max_length` tokens (default:
+        the model's positions)."""
+        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows, max_length=max_length)
 
     @classmethod
     def from_handle(
-        cls, handle: ModelHandle, executor: Executor | BackendChoice | str | None = None, rows: int = 8
+        cls,
+        handle: ModelHandle,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        *,
+        max_length: int | None = None,
     ) -> CrossEncoder:
-        return cls(handle, _open(executor), rows, handle.config().max_positions)
+        return cls(handle, _open(executor), rows, max_length or handle.config().max_positions)
 
     @staticmethod
     def serves(handle: ModelHandle) -> bool:
