@@ -1,82 +1,273 @@
-"""x @ W^T (+ bias) for a packed W, computed tile by tile from the packed form.
+"""x @ W^T for a packed W, computed from the packed bytes, never from a float copy of the whole matrix.
 
-Each tile of output rows is decoded to float32 (a few MB at most), multiplied, and dropped: no float copy of the
-whole matrix is ever kept. The result equals dequantize-then-matmul in float32 up to summation order.
-
-`fast=True` is an explicit, less exact option for the 4-bit GGUF types with an affine form (Q4_0, Q4_1, Q4_K):
-their codes are re-laid once, losslessly, into torch's packed int4 CPU format (same 4 bits per weight) and the
-product runs in torch's int4 kernel with bfloat16 activations and scales (about 1e-3 relative error).
+Routes:
+- GGUF Q4_0, Q4_1 and Q8_0 (the types of the default SmolLM2 file and of most small GGUF models): a small C
+  kernel, built once per machine with the system C compiler and cached, reads the memory-mapped blocks directly.
+  For a few rows (decode) it computes y = sum_b d_b * (q_b . x_b) + m_b * sum(x_b) per output row in float32;
+  for many rows (prefill) it dequantizes tiles of rows into a reused float32 buffer for torch's matmul.
+- every other layout and type, or no C compiler: tiles of a few MB are dequantized by
+  poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
+All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
+Set POOT_CPU_KERNELS=0 to force the torch route.
 """
 
 from __future__ import annotations
 
-import weakref
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
 
 import torch
 
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
-from poot_core.checkpoint.quant import gguf_blocks as gb
 
-TILE_BYTES = 2 << 20  # float32 bytes of one decoded tile; small enough to stay in L2/L3
+TILE_BYTES = 4 << 20
+# Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
+# beats dequantize-then-matmul.
+FUSED_MAX_ROWS = 4
+# GGUF type -> (bytes per block, kernel name suffix); all have 32 elements per block.
+C_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h; memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {
+            exp = 127 - 15 + 1;
+            while (!(man & 1024)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* One block of 32 values as floats (before the scale): q - offset for Q4_0/Q8_0, q for Q4_1. */
+static inline void values(int type, const uint8_t *b, float *v) {
+    if (type == 0) {
+        for (int j = 0; j < 16; j++) { v[j] = (float)((b[2 + j] & 15) - 8); v[j + 16] = (float)((b[2 + j] >> 4) - 8); }
+    } else if (type == 1) {
+        for (int j = 0; j < 16; j++) { v[j] = (float)(b[4 + j] & 15); v[j + 16] = (float)(b[4 + j] >> 4); }
+    } else {
+        for (int j = 0; j < 32; j++) v[j] = (float)(int8_t)b[2 + j];
+    }
+}
+
+static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    float macc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
+        const float *xb = x + b * 32;
+        __m512 lo, hi;
+        if (type == 2) {
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        } else {
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
+            __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
+            if (type == 0) {
+                l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
+                h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
+            }
+            lo = _mm512_cvtepi32_ps(l); hi = _mm512_cvtepi32_ps(h);
+        }
+        __m512 v = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+        v = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), v);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16(blk)), v, acc);
+        if (type == 1) macc += f16(blk + 2) * xsum[b];
+    }
+    return _mm512_reduce_add_ps(acc) + macc;
+#else
+    float acc = 0.0f, v[32];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
+        values(type, blk, v);
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += v[j] * x[b * 32 + j];
+        acc += f16(blk) * s;
+        if (type == 1) acc += f16(blk + 2) * xsum[b];
+    }
+    return acc;
+#endif
+}
+
+/* y[m, n] = x[m, nb * 32] @ W^T, W given as n rows of nb blocks, row_bytes apart; xsum: scratch [m, nb]. */
+void poot_gemv(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
+               float *y, float *xsum, int threads) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += x[r * nb * 32 + b * 32 + j];
+            xsum[r * nb + b] = s;
+        }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t r = 0; r < m; r++)
+            y[r * n + o] = row_dot(type, w + o * row_bytes, nb, x + r * nb * 32, xsum + r * nb);
+}
+
+/* out[rows, nb * 32] = dequantized rows, exactly as ggml defines them (d * q, or d * q + m for Q4_1). */
+void poot_dequant(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t nb, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < rows; o++) {
+        float v[32];
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + o * row_bytes + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
+            float d = f16(blk), mn = type == 1 ? f16(blk + 2) : 0.0f;
+            values(type, blk, v);
+            float *dst = out + o * nb * 32 + b * 32;
+            for (int j = 0; j < 32; j++) dst[j] = type == 1 ? d * v[j] + mn : d * v[j];
+        }
+    }
+}
+"""
+
+_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_lock = threading.Lock()
 
 
-def tile_rows(in_features: int) -> int:
-    """Output rows per tile: about TILE_BYTES of float32, a multiple of 16."""
-    return max(16, (TILE_BYTES // (4 * max(in_features, 1))) // 16 * 16)
+def _cache_dir() -> Path:
+    root = os.environ.get("POOT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "poot"
+    )
+    return Path(root) / "kernels"
 
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-_INT4_CACHE: weakref.WeakKeyDictionary[PackedWeight, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+def _machine_key() -> str:
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
 
 
-def _int4_codes_and_affine(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes int32 [out, in] in 0..15 and per-32 group scale, offset [out, in / 32] with value = code * s + o."""
-    kind, out_f = w.meta["type"], w.shape[0]
-    b = w.parts["blocks"].reshape(-1, gb.BLOCK_SIZES[kind][1])
-    if kind == "Q4_K":
-        codes = gb._k_nibbles(b[:, 16:144])
-        scales, mins = gb._k4_scales(b[:, 4:16])
-        s, o = gb._f16(b, 0) * scales.float(), -(gb._f16(b, 2) * mins.float())
-    else:
-        start = 2 if kind == "Q4_0" else 4
-        codes = gb._nibbles(b[:, start : start + 16])
-        s = gb._f16(b, 0)
-        o = -8 * s if kind == "Q4_0" else gb._f16(b, 2)
-    return codes.reshape(out_f, -1).to(torch.int32), s.reshape(out_f, -1), o.reshape(out_f, -1)
+def _build() -> ctypes.CDLL | None:
+    """Compile C_SOURCE once per source and machine (-march=native), cache the library, load it."""
+    tag = hashlib.sha256((C_SOURCE + _machine_key()).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"packed_linear_{tag}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
+            src.write_text(C_SOURCE)
+            cc = os.environ.get("CC", "cc")
+            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            os.replace(out, target)  # atomic: a parallel builder ends with the same file
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.poot_gemv.argtypes = [i32, p, i64, i64, i64, p, i64, p, p, i32]
+    lib.poot_gemv.restype = None
+    lib.poot_dequant.argtypes = [i32, p, i64, i64, i64, p, i32]
+    lib.poot_dequant.restype = None
+    return lib
 
 
-def _int4_packed(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = _INT4_CACHE.get(w)
-    if cached is None:
-        codes, s, o = _int4_codes_and_affine(w)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        # torch's int4 kernel computes (code - 8) * scale + zero.
-        scales_zeros = torch.stack((s, o + 8 * s), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        cached = _INT4_CACHE[w] = (packed, scales_zeros)
-    return cached
+def kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they are disabled or cannot be built (then torch does the work)."""
+    global _lib, _lib_tried
+    if os.environ.get("POOT_CPU_KERNELS", "1") == "0":
+        return None
+    if not _lib_tried:
+        with _lock:
+            if not _lib_tried:
+                try:
+                    _lib = _build()
+                except (OSError, subprocess.SubprocessError):
+                    _lib = None
+                _lib_tried = True
+    return _lib
 
 
-def packed_linear(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, fast: bool = False
-) -> torch.Tensor:
-    """x float32 [..., in] -> float32 [..., out]; fast=True trades exactness for speed where a route exists."""
-    if fast and w.layout == "gguf" and w.meta.get("type") in INT4_TYPES and len(w.shape) == 2:
-        packed, scales_zeros = _int4_packed(w)
-        flat = x.reshape(-1, w.shape[1]).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, 32, scales_zeros).float()
-        if bias is not None:
-            out += bias.float()
-        return out.reshape(*x.shape[:-1], w.shape[0])
-    out_features, in_features = w.shape[0], w.shape[-1]
-    if len(w.shape) != 2:
-        out_features = int(torch.tensor(w.shape[:-1]).prod())
-    flat = x.reshape(-1, in_features).float()
+def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+    type_id = _TYPE_IDS[w.meta["type"]]
+    blocks = w.parts["blocks"]
+    out_features, in_features = w.shape
+    nb = in_features // 32
+    row_bytes = blocks.stride(0)
+    threads = torch.get_num_threads()
+    m = flat.shape[0]
+    if m <= FUSED_MAX_ROWS:
+        x = flat.contiguous()
+        y = torch.empty(m, out_features)
+        xsum = torch.empty(m, nb)
+        lib.poot_gemv(
+            type_id,
+            blocks.data_ptr(),
+            row_bytes,
+            out_features,
+            nb,
+            x.data_ptr(),
+            m,
+            y.data_ptr(),
+            xsum.data_ptr(),
+            threads,
+        )
+        return y
+    tile = max(1, min(out_features, TILE_BYTES // (4 * in_features)))
+    buffer = torch.empty(tile, in_features)
+    out = torch.empty(m, out_features)
+    for start in range(0, out_features, tile):
+        rows = min(tile, out_features - start)
+        lib.poot_dequant(type_id, blocks[start].data_ptr(), row_bytes, rows, nb, buffer.data_ptr(), threads)
+        out[:, start : start + rows] = flat @ buffer[:rows].T
+    return out
+
+
+def _tiled(flat: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    out_features, in_features = w.shape[-2], w.shape[-1]
+    tile = max(1, TILE_BYTES // (4 * in_features))
     out = torch.empty(flat.shape[0], out_features)
-    tile = tile_rows(in_features)
     for start in range(0, out_features, tile):
         rows = slice(start, min(start + tile, out_features))
-        torch.matmul(flat, dequantize(w, rows).T, out=out[:, rows])
-    if bias is not None:
-        out += bias.float()
-    return out.reshape(*x.shape[:-1], out_features)
+        out[:, rows] = flat @ dequantize(w, rows).T
+    return out
+
+
+def uses_c_kernel(w: PackedWeight) -> bool:
+    blocks = w.parts.get("blocks")
+    return (
+        w.layout == "gguf"
+        and len(w.shape) == 2
+        and w.meta.get("type") in C_TYPES
+        and blocks is not None
+        and blocks.dim() == 2
+        and blocks.stride(1) == 1
+        and w.shape[1] % 32 == 0
+        and tuple(blocks.shape) == (w.shape[0], w.shape[1] // 32 * C_TYPES[w.meta["type"]])
+        and kernels() is not None
+    )
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    out_features, in_features = w.shape[-2], w.shape[-1]
+    flat = x.reshape(-1, in_features).float()
+    if uses_c_kernel(w):
+        lib = kernels()
+        assert lib is not None
+        y = _c_route(flat, w, lib)
+    else:
+        y = _tiled(flat, w)
+    return y.reshape(*x.shape[:-1], out_features)
