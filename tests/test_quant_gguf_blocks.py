@@ -9,6 +9,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize, supported_kinds
+from poot_core.cpu import packed_linear as pl
 from poot_core.cpu.packed_linear import packed_linear
 
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf's Python side can quantize these
@@ -96,3 +97,41 @@ def test_fast_int4_route_is_close(type_name: str) -> None:
     out = packed_linear(x, w, fast=True)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(packed_linear(x, w, fast=True), out)  # the cached re-layout gives the same answer
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+def test_dense_types_widen_exactly(type_name: str) -> None:
+    qtype = GGMLQuantizationType[type_name]
+    values = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    stored = quants.quantize(values, qtype) if type_name != "F32" else values
+    raw = torch.from_numpy(np.ascontiguousarray(stored).view(np.uint8))
+    w = PackedWeight("gguf", (4, 64), {"blocks": raw}, {"type": type_name})
+    expect = torch.from_numpy(quants.dequantize(stored, qtype)).float()
+    torch.testing.assert_close(dequantize(w), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_c_kernel_route_equals_torch_route(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled route carries the decode speed: it must build on this machine and agree with torch's."""
+    assert pl.kernels() is not None, "the C kernels did not build: is a C compiler (cc) installed?"
+    w = packed(quantized_blocks(type_name, 300, 576, seed=9), type_name, 576)
+    assert pl.uses_c_kernel(w)
+    for rows in (1, 2, 4, 5, 64):  # the fused matrix-vector kernel up to 4 rows, C tiles + matmul beyond
+        x = torch.randn(rows, 576)
+        ref = (x.double() @ dequantize(w).double().T).float()
+        fast = packed_linear(x, w)
+        assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+        torch.testing.assert_close(fast, pl._tiled(x, w), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    monkeypatch.setenv("POOT_CPU_KERNELS", "0")
+    assert not pl.uses_c_kernel(w)
+
+
+def test_non_contiguous_blocks_take_the_torch_route() -> None:
+    blocks = torch.from_numpy(quantized_blocks("Q4_1", 8, 64, seed=2))
+    wide = torch.zeros(8, 2 * blocks.shape[1], dtype=torch.uint8)
+    wide[:, ::2] = blocks
+    w = PackedWeight("gguf", (8, 64), {"blocks": wide[:, ::2]}, {"type": "Q4_1"})
+    assert not pl.uses_c_kernel(w)
+    x = torch.randn(1, 64)
+    ref = x @ dequantize(w).T
+    torch.testing.assert_close(packed_linear(x, w), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
