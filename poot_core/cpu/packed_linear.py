@@ -79,36 +79,50 @@ static inline void values(int type, const uint8_t *b, float *v) {
     }
 }
 
-static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
 #ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    float macc = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
-        const float *xb = x + b * 32;
-        __m512 lo, hi;
-        if (type == 2) {
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-        } else {
-            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
-            __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
-            if (type == 0) {
-                l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
-                h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
-            }
-            lo = _mm512_cvtepi32_ps(l); hi = _mm512_cvtepi32_ps(h);
+/* The 32 values of one block times x, folded to 16 lanes (before the block's scale). */
+static inline __m512 block_dot(int type, const uint8_t *blk, const float *xb) {
+    __m512 lo, hi;
+    if (type == 2) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    } else {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
+        __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
+        if (type == 0) {
+            l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
+            h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
         }
-        __m512 v = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
-        v = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), v);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(f16(blk)), v, acc);
-        if (type == 1) macc += f16(blk + 2) * xsum[b];
+        lo = _mm512_cvtepi32_ps(l);
+        hi = _mm512_cvtepi32_ps(h);
     }
-    return _mm512_reduce_add_ps(acc) + macc;
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+#endif
+
+static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
+    const int64_t size = type == 0 ? 18 : type == 1 ? 20 : 34;
+#ifdef __AVX512F__
+    /* Two accumulators so consecutive blocks do not wait on each other's multiply-add. */
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float macc = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *b0 = row + b * size, *b1 = b0 + size;
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), block_dot(type, b0, x + b * 32), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b1)), block_dot(type, b1, x + b * 32 + 32), acc1);
+        if (type == 1) macc += f16(b0 + 2) * xsum[b] + f16(b1 + 2) * xsum[b + 1];
+    }
+    for (; b < nb; b++) {
+        const uint8_t *b0 = row + b * size;
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), block_dot(type, b0, x + b * 32), acc0);
+        if (type == 1) macc += f16(b0 + 2) * xsum[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + macc;
 #else
     float acc = 0.0f, v[32];
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
+        const uint8_t *blk = row + b * size;
         values(type, blk, v);
         float s = 0.0f;
         for (int j = 0; j < 32; j++) s += v[j] * x[b * 32 + j];
@@ -209,12 +223,21 @@ def kernels() -> ctypes.CDLL | None:
     return _lib
 
 
+_plans: weakref.WeakKeyDictionary[PackedWeight, tuple[int, int, int, int, int]] = weakref.WeakKeyDictionary()
+
+
+def _plan(w: PackedWeight) -> tuple[int, int, int, int, int]:
+    """(type id, address of the blocks, bytes per row, rows, blocks per row), worked out once per weight."""
+    plan = _plans.get(w)
+    if plan is None:
+        blocks = w.parts["blocks"]
+        plan = (_TYPE_IDS[w.meta["type"]], blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // 32)
+        _plans[w] = plan
+    return plan
+
+
 def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    type_id = _TYPE_IDS[w.meta["type"]]
-    blocks = w.parts["blocks"]
-    out_features, in_features = w.shape
-    nb = in_features // 32
-    row_bytes = blocks.stride(0)
+    type_id, address, row_bytes, out_features, nb = _plan(w)
     threads = torch.get_num_threads()
     m = flat.shape[0]
     if m <= FUSED_MAX_ROWS:
@@ -222,24 +245,16 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
         y = torch.empty(m, out_features)
         xsum = torch.empty(m, nb)
         lib.poot_gemv(
-            type_id,
-            blocks.data_ptr(),
-            row_bytes,
-            out_features,
-            nb,
-            x.data_ptr(),
-            m,
-            y.data_ptr(),
-            xsum.data_ptr(),
-            threads,
+            type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), xsum.data_ptr(), threads
         )
         return y
+    in_features = nb * 32
     tile = max(1, min(out_features, TILE_BYTES // (4 * in_features)))
     buffer = torch.empty(tile, in_features)
     out = torch.empty(m, out_features)
     for start in range(0, out_features, tile):
         rows = min(tile, out_features - start)
-        lib.poot_dequant(type_id, blocks[start].data_ptr(), row_bytes, rows, nb, buffer.data_ptr(), threads)
+        lib.poot_dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
         out[:, start : start + rows] = flat @ buffer[:rows].T
     return out
 
@@ -317,7 +332,7 @@ def packed_linear(
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat16, packed, 32, scales_zeros).float()
     else:
         flat = x.reshape(-1, in_features).float()
-        lib = kernels() if uses_c_kernel(w) else None
+        lib = kernels() if (w in _plans or uses_c_kernel(w)) else None
         y = _c_route(flat, w, lib) if lib is not None else _tiled(flat, w)
     if bias is not None:
         y += bias.float()
