@@ -43,6 +43,7 @@ from poot_core.family import Family, ModelConfig
 from poot_core.graph import Graph, Node, StateSpec, StepShape, Tracer, Value
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
+from poot_core.rope import inverse_frequencies, rope_attention_factor
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "IntegrityError", "Layout", "LoadOptions", "Manifest", "ModelConfig", "ModelHandle", "Node", "PackedWeight",
     "PluginError", "PootError", "Program", "Reason", "Registry", "RequestError", "Sampler", "StateSpec",
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
-    "hookimpl", "installed_backends", "open_executor", "require_ops", "weight_kind",
+    "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "open_executor",
+    "require_ops", "weight_kind",
     "CrossEncoder", "SentenceEncoder",
 ]

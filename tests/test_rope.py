@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from poot_core import Reason, Unsupported
-from poot_core.cpu import ops
+from poot_core import rope as ops
 
 SCALINGS = [
     {"rope_type": "linear", "factor": 4.0},

@@ -32,12 +32,24 @@ class CpuProgram:
     def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
         self.graph = graph
         self._steps = [(node.output, _bind(node, weights)) for node in graph.nodes]
+        # After each step, the values no later step reads: dropping them lets torch reuse their memory.
+        last_read: dict[str, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for name in node.inputs:
+                last_read[name] = i
+        keep = set(graph.outputs)
+        self._dead: list[list[str]] = [[] for _ in graph.nodes]
+        for name, i in last_read.items():
+            if name not in keep and not name.startswith(("w:", "s:")) and name not in graph.inputs:
+                self._dead[i].append(name)
 
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
         env: Env = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in inputs.items()}
         with torch.inference_mode():
-            for out, fn in self._steps:
+            for (out, fn), dead in zip(self._steps, self._dead, strict=True):
                 env[out] = fn(env, state)
+                for name in dead:
+                    env.pop(name, None)
         return [env[name] for name in self.graph.outputs]
 
 

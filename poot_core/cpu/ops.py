@@ -7,29 +7,24 @@ through poot_core.cpu.packed_linear, and everything between matmuls is float32.
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight
-from poot_core.errors import Reason, Unsupported
+from poot_core.rope import inverse_frequencies, rope_attention_factor
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, PackedWeight):
         from poot_core.cpu.packed_linear import packed_linear
 
-        y = packed_linear(x, w)
-    elif w.dtype == torch.float32:
-        y = F.linear(x, w)
-    else:
-        y = F.linear(x.to(w.dtype), w).float()
-    if b is not None:
-        y = y + b.float()
-    return y
+        return packed_linear(x, w, None if b is None else b.float())
+    if w.dtype == torch.float32:
+        return F.linear(x, w, None if b is None else b.float())
+    y = F.linear(x.to(w.dtype), w).float()
+    return y if b is None else y + b.float()
 
 
 def embed(table: Weight, tokens: torch.Tensor) -> torch.Tensor:
@@ -52,68 +47,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
-
-
-@lru_cache(maxsize=64)
-def inverse_frequencies(theta: float, dim: int, scaling_items: tuple[tuple[str, Any], ...]) -> torch.Tensor:
-    """Rotary inverse frequencies, with the rope scalings Hugging Face configs name."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = dict(scaling_items)
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old = scaling.get("original_max_position_embeddings", 8192)
-        low_wavelen, high_wavelen = old / low, old / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = torch.where(medium, smoothed, scaled)
-    elif kind == "linear":
-        inv = inv / scaling["factor"]
-    elif kind == "yarn":
-        inv = _yarn(inv, theta, dim, scaling)
-    elif kind not in (None, "default"):
-        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "known: default, linear, llama3, yarn")
-    return inv
-
-
-def _yarn(inv: torch.Tensor, theta: float, dim: int, scaling: dict[str, Any]) -> torch.Tensor:
-    """YaRN: low frequencies interpolated by `factor`, high ones kept, a linear ramp between the wavelengths
-    that turn beta_fast and beta_slow times over the original context."""
-    factor = scaling["factor"]
-    old = scaling.get("original_max_position_embeddings", 4096)
-    fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-
-    def turns_to_dim(turns: float) -> float:
-        return dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = turns_to_dim(fast), turns_to_dim(slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
-    return inv / factor * (1 - keep) + inv * keep
-
-
-def rope_attention_factor(scaling: dict[str, Any]) -> float:
-    """YaRN scales cos and sin by this (1 for the other scalings)."""
-    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    factor = scaling["factor"]
-    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def rope_tables(positions: torch.Tensor, theta: float, dim: int,

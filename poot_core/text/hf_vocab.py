@@ -44,6 +44,10 @@ def vocabulary_from_hf(root: Path, access: FileAccess, config: ModelConfig) -> V
         tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # the tokenizers library raises plain Exceptions for bad JSON
         raise CheckpointError(path, f"not a tokenizers file: {exc}") from exc
+    # A tokenizer.json may store fixed padding or truncation (MiniLM pads to 128): encode must give the text's
+    # own ids; padding is the caller's business.
+    tok.no_padding()
+    tok.no_truncation()
     tc: dict[str, Any] = {}
     tc_path = root / "tokenizer_config.json"
     if tc_path.exists():

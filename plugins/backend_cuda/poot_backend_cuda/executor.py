@@ -18,8 +18,7 @@ from poot_backend_cuda.weights import (
     to_device,
     weight_bytes,
 )
-from poot_core import Capabilities, Graph, Reason, Unsupported, require_ops
-from poot_core.cpu.ops import inverse_frequencies  # the same rope frequencies as the reference
+from poot_core import Capabilities, Graph, Reason, Unsupported, inverse_frequencies, require_ops
 
 CUDA_OPS = frozenset(
     {

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from poot_core.checkpoint.layouts import PackedWeight
+from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
