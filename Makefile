@@ -10,7 +10,7 @@ PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 TORCH := torch==2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup test-setup demo test lint bench clean
+.PHONY: setup test-setup demo test test-gpu lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ lint: test-setup
 
 test: test-setup lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+# On a machine with an NVIDIA GPU and its own torch/triton (the lent H200 has no internet): install the
+# repository over the machine's packages and run the GPU tests.
+test-gpu:
+	python3 -m pip install -q --no-deps --no-build-isolation -e . $(foreach p,$(PLUGINS),-e $(p))
+	python3 -m pytest -q tests/test_backend_cuda.py
 
 bench: setup
 	$(BIN)/python bench/cpu_decode.py
