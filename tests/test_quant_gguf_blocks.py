@@ -110,14 +110,15 @@ def test_dense_types_widen_exactly(type_name: str) -> None:
     torch.testing.assert_close(dequantize(w), expect, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_c_kernel_route_equals_torch_route(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled route carries the decode speed: it must build on this machine and agree with torch's."""
     assert pl.kernels() is not None, "the C kernels did not build: is a C compiler (cc) installed?"
-    w = packed(quantized_blocks(type_name, 300, 576, seed=9), type_name, 576)
+    make = quantized_blocks if type_name in QUANTIZABLE else random_blocks
+    w = packed(make(type_name, 300, 768, seed=9), type_name, 768)
     assert pl.uses_c_kernel(w)
     for rows in (1, 2, 4, 5, 64):  # the fused matrix-vector kernel up to 4 rows, C tiles + matmul beyond
-        x = torch.randn(rows, 576)
+        x = torch.randn(rows, 768)
         ref = (x.double() @ dequantize(w).double().T).float()
         fast = packed_linear(x, w)
         assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()

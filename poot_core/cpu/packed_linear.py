@@ -1,10 +1,11 @@
 """x @ W^T for a packed W, computed from the packed bytes, never from a float copy of the whole matrix.
 
 Routes:
-- GGUF Q4_0, Q4_1 and Q8_0 (the types of the default SmolLM2 file and of most small GGUF models): a small C
-  kernel, built once per machine with the system C compiler and cached, reads the memory-mapped blocks directly.
-  For a few rows (decode) it computes y = sum_b d_b * (q_b . x_b) + m_b * sum(x_b) per output row in float32;
-  for many rows (prefill) it dequantizes tiles of rows into a reused float32 buffer for torch's matmul.
+- GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K: a small C kernel, built once per machine with the system C
+  compiler and cached, reads the memory-mapped blocks directly. For a few rows (decode) Q4_0/Q4_1/Q8_0 compute
+  y = sum_b d_b * (q_b . x_b) + m_b * sum(x_b) per output row with AVX-512 (float32), and the K-quants decode
+  each 256-value super-block to floats in L1 and dot it; for many rows (prefill) tiles of rows are dequantized
+  into a reused float32 buffer for torch's matmul.
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
@@ -39,8 +40,15 @@ TILE_BYTES = 4 << 20
 # Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
 # beats dequantize-then-matmul.
 FUSED_MAX_ROWS = 4
-# GGUF type -> (bytes per block, kernel name suffix); all have 32 elements per block.
-C_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# GGUF type -> (elements, bytes) per block. FUSED_MAX_ROWS bounds the K-quant kernel's accumulators too.
+C_TYPES = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -162,9 +170,68 @@ void poot_dequant(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, i
         }
     }
 }
+/* K-quant super-blocks of 256 values (Q4_K 144 bytes, Q5_K 176, Q6_K 210), dequantized whole into v. */
+static void k_block(int type, const uint8_t *b, float *v) {
+    if (type == 5) { /* Q6_K: ql[128] qh[64] int8 scales[16] d */
+        float d = f16(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l++) {
+                    int e = 128 * h + 32 * g + l;
+                    int lo = g < 2 ? b[64 * h + 32 * g + l] & 15 : b[64 * h + 32 * (g - 2) + l] >> 4;
+                    int hi = (b[128 + 32 * h + l] >> (2 * g)) & 3;
+                    float dl = d * (float)(int8_t)b[192 + e / 16];
+                    v[e] = dl * (float)((lo | (hi << 4)) - 32);
+                }
+        return;
+    }
+    /* Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: qh 32], qs 128 */
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (type == 3 ? 16 : 48);
+    for (int j = 0; j < 8; j++) {
+        int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        float dl = d * (float)sc, ml = dmin * (float)mn;
+        for (int l = 0; l < 32; l++) {
+            int e = 32 * j + l;
+            int q = (j & 1) ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 15;
+            if (type == 4) q |= ((qh[l] >> j) & 1) << 4;
+            v[e] = dl * (float)q - ml;
+        }
+    }
+}
+
+static inline int64_t k_size(int type) { return type == 3 ? 144 : type == 4 ? 176 : 210; }
+
+/* y[m, n] = x[m, nb * 256] @ W^T for the K-quant types: each block is decoded to floats in L1, then dotted. */
+void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
+                 float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        float v[256], acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t b = 0; b < nb; b++) {
+            k_block(type, w + o * row_bytes + b * k_size(type), v);
+            for (int64_t r = 0; r < m; r++) {
+                const float *xb = x + r * nb * 256 + b * 256;
+                float s = 0.0f;
+                for (int j = 0; j < 256; j++) s += v[j] * xb[j];
+                acc[r] += s;
+            }
+        }
+        for (int64_t r = 0; r < m; r++) y[r * n + o] = acc[r];
+    }
+}
+
+void poot_dequant_k(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t nb, float *out,
+                    int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < rows; o++)
+        for (int64_t b = 0; b < nb; b++)
+            k_block(type, w + o * row_bytes + b * k_size(type), out + o * nb * 256 + b * 256);
+}
 """
 
-_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _lock = threading.Lock()
@@ -204,6 +271,10 @@ def _build() -> ctypes.CDLL | None:
     lib.poot_gemv.restype = None
     lib.poot_dequant.argtypes = [i32, p, i64, i64, i64, p, i32]
     lib.poot_dequant.restype = None
+    lib.poot_gemv_k.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
+    lib.poot_gemv_k.restype = None
+    lib.poot_dequant_k.argtypes = [i32, p, i64, i64, i64, p, i32]
+    lib.poot_dequant_k.restype = None
     return lib
 
 
@@ -231,7 +302,8 @@ def _plan(w: PackedWeight) -> tuple[int, int, int, int, int]:
     plan = _plans.get(w)
     if plan is None:
         blocks = w.parts["blocks"]
-        plan = (_TYPE_IDS[w.meta["type"]], blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // 32)
+        elements = C_TYPES[w.meta["type"]][0]
+        plan = (_TYPE_IDS[w.meta["type"]], blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements)
         _plans[w] = plan
     return plan
 
@@ -240,21 +312,26 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
     type_id, address, row_bytes, out_features, nb = _plan(w)
     threads = torch.get_num_threads()
     m = flat.shape[0]
+    k_quant = type_id >= 3
+    in_features = nb * (256 if k_quant else 32)
     if m <= FUSED_MAX_ROWS:
         x = flat.contiguous()
         y = torch.empty(m, out_features)
-        xsum = torch.empty(m, nb)
-        lib.poot_gemv(
-            type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), xsum.data_ptr(), threads
-        )
+        if k_quant:
+            lib.poot_gemv_k(type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), threads)
+        else:
+            xsum = torch.empty(m, nb)
+            lib.poot_gemv(
+                type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), xsum.data_ptr(), threads
+            )
         return y
-    in_features = nb * 32
+    dequant = lib.poot_dequant_k if k_quant else lib.poot_dequant
     tile = max(1, min(out_features, TILE_BYTES // (4 * in_features)))
     buffer = torch.empty(tile, in_features)
     out = torch.empty(m, out_features)
     for start in range(0, out_features, tile):
         rows = min(tile, out_features - start)
-        lib.poot_dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
+        dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
         out[:, start : start + rows] = flat @ buffer[:rows].T
     return out
 
@@ -284,8 +361,8 @@ def uses_c_kernel(w: PackedWeight) -> bool:
         and blocks is not None
         and blocks.dim() == 2
         and blocks.stride(1) == 1
-        and w.shape[1] % 32 == 0
-        and tuple(blocks.shape) == (w.shape[0], w.shape[1] // 32 * C_TYPES[w.meta["type"]])
+        and w.shape[1] % C_TYPES[w.meta["type"]][0] == 0
+        and tuple(blocks.shape) == (w.shape[0], w.shape[1] // C_TYPES[w.meta["type"]][0] * C_TYPES[w.meta["type"]][1])
         and kernels() is not None
     )
 
