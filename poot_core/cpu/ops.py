@@ -94,10 +94,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             allowed = allowed & (qpos - kpos < window)
         qr = q[r].transpose(0, 1)  # [Hq, T, D]
         group = heads // kv_heads
+        # A single query sees every key kept (no mask); a chunk starting at 0 whose window covers it is plain
+        # causal attention, which the kernel does without a mask and skipping the masked half.
+        plain_causal = start == 0 and (window is None or window >= tokens)
         if softcap is None:
-            mask = None if tokens == 1 else allowed  # one query sees every key kept: no mask needed
+            mask = None if tokens == 1 or plain_causal else allowed
             o = F.scaled_dot_product_attention(qr[None], keys[None], values[None], attn_mask=mask,
-                                               scale=scale, enable_gqa=group > 1)[0]
+                                               is_causal=plain_causal and tokens > 1, scale=scale,
+                                               enable_gqa=group > 1)[0]
         else:
             keys_g = keys.repeat_interleave(group, 0)
             values_g = values.repeat_interleave(group, 0)
