@@ -42,7 +42,7 @@ def poot_run(path: Path) -> dict[str, float]:
     driver.generate(GenerateRequest(ids[:16], max_new=8, ignore_eos=True))  # warm-up
     best: dict[str, float] = {"prefill": 0.0, "decode": 0.0}
     for _ in range(2):
-        driver.generate(GenerateRequest([ids[0]], max_new=1, ignore_eos=True))  # empty the prefix cache
+        driver.reset()  # prefill the whole prompt, nothing reused from the previous round
         r = driver.generate(GenerateRequest(ids, max_new=NEW_TOKENS, ignore_eos=True))
         best["prefill"] = max(best["prefill"], r.timings.prefill_tok_s)
         best["decode"] = max(best["decode"], r.timings.decode_tok_s)

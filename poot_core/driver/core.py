@@ -145,6 +145,10 @@ class Driver:
         return outs
 
     # --- public ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget what the KV cache holds: the next request prefills its whole prompt."""
+        self._cached = []
+
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 [positions, vocab]: the logits after every position of `token_ids`, from an empty cache."""
         ids = self._check_ids(token_ids)
