@@ -79,7 +79,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     """q [R, T, Hq, D]; k, v [R, T, Hkv, D]; caches [R, Hkv, C, D]; positions [R, T] consecutive per row."""
     rows, tokens, heads, _ = q.shape
     kv_heads = k.shape[2]
-    out = torch.empty(rows, tokens, heads, v.shape[-1])
+    group = heads // kv_heads
+    outs = []
     for r in range(rows):
         start = int(positions[r, 0])
         end = start + tokens
@@ -87,18 +88,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         v_cache[r, :, start:end] = v[r].transpose(0, 1)
         first = 0 if window is None else max(0, start - window + 1)
         keys, values = k_cache[r, :, first:end], v_cache[r, :, first:end]  # [Hkv, S, D]
-        qpos = positions[r][:, None]  # [T, 1]
-        kpos = torch.arange(first, end)[None, :]
-        allowed = kpos <= qpos
-        if window is not None:
-            allowed = allowed & (qpos - kpos < window)
         qr = q[r].transpose(0, 1)  # [Hq, T, D]
-        group = heads // kv_heads
         # A single query sees every key kept (no mask); a chunk starting at 0 whose window covers it is plain
         # causal attention, which the kernel does without a mask and skipping the masked half.
         plain_causal = start == 0 and (window is None or window >= tokens)
+        mask = None
+        if softcap is not None or not (tokens == 1 or plain_causal):
+            qpos = positions[r][:, None]  # [T, 1]
+            kpos = torch.arange(first, end)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask = mask & (qpos - kpos < window)
         if softcap is None:
-            mask = None if tokens == 1 or plain_causal else allowed
             o = F.scaled_dot_product_attention(qr[None], keys[None], values[None], attn_mask=mask,
                                                is_causal=plain_causal and tokens > 1, scale=scale,
                                                enable_gqa=group > 1)[0]
@@ -107,10 +108,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             values_g = values.repeat_interleave(group, 0)
             scores = (qr @ keys_g.transpose(-1, -2)) * scale
             scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
             o = torch.softmax(scores, dim=-1) @ values_g
-        out[r] = o.transpose(0, 1)
-    return out
+        outs.append(o.transpose(0, 1))  # [T, Hq, Dv]
+    return outs[0][None] if rows == 1 else torch.stack(outs)
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
