@@ -1,12 +1,15 @@
-"""A prepared graph on the GPU: each node bound once to a Triton kernel call, then run as a plain loop.
+"""A prepared graph on a GPU: each node bound once to a Triton kernel call, then run as a plain loop.
 
-Activations between matmuls are the weights' 16-bit dtype; the residual stream (embed output and every
-add feeding it) is float32, as on the CPU executor. An add followed by an rms_norm of its sum runs as one
-fused kernel. Steps of one token per row are captured once as a CUDA graph and replayed.
+Device-neutral: the same binding serves NVIDIA (CUDA) and AMD (ROCm, where torch calls the GPU "cuda" and
+Triton compiles for HIP). Activations between matmuls are the weights' 16-bit dtype; the residual stream
+(embed output and every add feeding it) is float32, as on the CPU executor. An add followed by an rms_norm
+of its sum runs as one fused kernel. Steps of one token per row are captured once as a CUDA graph (a HIP
+graph on ROCm, through the same torch.cuda API) and replayed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_backend_cuda.weights import DeviceWeights
 from poot_core import Graph, Node, PackedWeight, Reason, Unsupported
+
+from .tuning import Tuning, use_tuning
+from .weights import DeviceWeights
 
 GATED = frozenset({"silu", "gelu_tanh"})
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -50,7 +55,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class Binder:
     """Turns graph nodes into step functions over one DeviceWeights."""
 
-    def __init__(self, graph: Graph, weights: DeviceWeights, rope_tables: Callable[..., Any]) -> None:
+    def __init__(
+        self, graph: Graph, weights: DeviceWeights, rope_tables: Callable[..., Any], backend: str = "cuda"
+    ) -> None:
+        self.backend = backend
         self.graph = graph
         self.w = weights
         self.act = weights.act_dtype
@@ -66,7 +74,7 @@ class Binder:
         if not name:
             return None
         if not name.startswith("w:"):
-            raise Unsupported(Reason.OPERATION, name, "the cuda backend expects a stored weight here")
+            raise Unsupported(Reason.OPERATION, name, f"the {self.backend} backend expects a stored weight here")
         return self.w.tensors[name[2:]]
 
     def bind_all(self) -> list[StepFn]:
@@ -170,7 +178,7 @@ class Binder:
     def bind(self, node: Node) -> StepFn:
         handler = getattr(self, f"op_{node.op}", None)
         if handler is None:
-            raise Unsupported(Reason.OPERATION, node.op, "the cuda backend has no kernel for it")
+            raise Unsupported(Reason.OPERATION, node.op, f"the {self.backend} backend has no kernel for it")
         return handler(node)
 
     def op_embed(self, node: Node) -> StepFn:
@@ -297,7 +305,9 @@ class Binder:
     def op_gated(self, node: Node) -> StepFn:
         act = node.attrs["act"]
         if act not in GATED:
-            raise Unsupported(Reason.OPERATION, f"gated:{act}", f"the cuda backend's gated kernel does {sorted(GATED)}")
+            raise Unsupported(
+                Reason.OPERATION, f"gated:{act}", f"the {self.backend} backend's gated kernel does {sorted(GATED)}"
+            )
         g_name, u_name, out, shape = node.inputs[0], node.inputs[1], node.output, node.shape
 
         def run(s: Step) -> None:
@@ -352,11 +362,15 @@ class Binder:
         return run
 
 
-class CudaProgram:
+class TritonProgram:
     """Runs the bound steps. A step of one token per row is captured once (per state object) as a CUDA
-    graph whose inputs are copied into fixed device buffers before each replay."""
+    graph whose inputs are copied into fixed device buffers before each replay. With a `tuning`, every
+    launch (eager or captured) uses that target's tiles instead of the ones the device would pick."""
 
-    def __init__(self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool) -> None:
+    def __init__(
+        self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool, tuning: Tuning | None = None
+    ) -> None:
+        self.tuning = tuning
         self.graph = graph
         self.steps = steps
         self.device = device
@@ -387,7 +401,8 @@ class CudaProgram:
         }
 
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[Any]:
-        with torch.inference_mode():
+        tuned = use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext()
+        with torch.inference_mode(), tuned:
             if not self.use_graph:
                 env: dict[str, Any] = dict(self._device_inputs(inputs))
                 return self._eager(state, env, inputs.get("positions"))

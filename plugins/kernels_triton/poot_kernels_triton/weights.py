@@ -1,4 +1,4 @@
-"""Weights on the GPU, as stored, and the concatenations the kernels like (q/k/v, gate/up).
+"""Weights on the device, as stored, and the concatenations the kernels like (q/k/v, gate/up).
 
 A concatenation is made once and the original tensors are replaced by views into it, so it costs no memory
 once the originals are released: every program that reads q_proj alone still finds it, and the programs
@@ -18,7 +18,7 @@ GPTQ_KINDS = frozenset({"gptq.4"})
 
 
 def packed_kinds() -> frozenset[str]:
-    from poot_kernels_triton import GGUF_TYPES
+    from .quant import GGUF_TYPES
 
     return frozenset(f"gguf.{name}" for name in GGUF_TYPES) | GPTQ_KINDS
 
@@ -83,15 +83,20 @@ class DeviceWeights:
         return joined
 
 
-def check_kind(name: str, w: Weight) -> None:
+def check_kind(name: str, w: Weight, backend: str = "cuda") -> None:
+    """Refuse, naming the tensor, a weight layout the Triton kernels do not compute from."""
     kind = weight_kind(w)
     if isinstance(w, PackedWeight):
         if kind not in packed_kinds():
             raise Unsupported(
-                Reason.QUANTIZATION, f"{kind} (tensor {name})", f"the cuda backend computes {sorted(packed_kinds())}"
+                Reason.QUANTIZATION,
+                f"{kind} (tensor {name})",
+                f"the {backend} backend computes {sorted(packed_kinds())}",
             )
     elif kind not in DENSE_KINDS and w.dim() > 0 and w.is_floating_point():
-        raise Unsupported(Reason.QUANTIZATION, f"{kind} (tensor {name})", "the cuda backend computes f32/f16/bf16")
+        raise Unsupported(
+            Reason.QUANTIZATION, f"{kind} (tensor {name})", f"the {backend} backend computes f32/f16/bf16"
+        )
 
 
 def activation_dtype(weights: dict[str, Weight]) -> torch.dtype:

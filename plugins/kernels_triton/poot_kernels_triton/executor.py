@@ -1,0 +1,166 @@
+"""The executor both GPU backends share: weights uploaded as stored, graphs bound to the Triton kernels, KV
+on the device.
+
+torch on ROCm exposes an AMD GPU as device "cuda" and Triton compiles the same kernels for HIP, so one
+class serves NVIDIA and AMD. A backend sets its name, the tuning its kernels launch with (None: let the
+device pick, `tuning_for_device`) and whether one-token steps are replayed from a captured graph (a CUDA
+graph, or a HIP graph through the same torch.cuda API), and may refuse weights its device cannot compute
+with by overriding `check_weight`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from poot_core import Capabilities, Graph, Reason, Unsupported, Weight, inverse_frequencies, require_ops
+
+from .program import Binder, TritonProgram
+from .tuning import Tuning
+from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
+
+TRITON_OPS = frozenset(
+    {
+        "embed",
+        "rms_norm",
+        "linear",
+        "reshape",
+        "rope",
+        "attention",
+        "gated",
+        "activation",
+        "add",
+        "mul",
+        "scale",
+        "last_position",
+        "logits",
+    }
+)
+# Kept free beyond weights and KV: activations, graph pools, the allocator's slack.
+HEADROOM = 1 << 30
+
+
+class TritonExecutor:
+    """Runs traced graphs with the shared Triton kernels on one torch device.
+
+    Class attributes are the defaults a backend subclass overrides; tests build an instance on the CPU
+    (under TRITON_INTERPRET) by setting `device`, `_tables`, `_state_bytes`, `use_cuda_graphs` and `memory`.
+    """
+
+    name = "triton"
+    tuning: Tuning | None = None  # None: the kernels pick tiles from the device they run on
+    use_cuda_graphs = True  # False runs decode steps eagerly (debugging, profiling each kernel)
+    notes = "Triton kernels; decode steps replayed as CUDA graphs"
+
+    def __init__(
+        self,
+        device: int | str | torch.device = 0,
+        *,
+        name: str | None = None,
+        tuning: Tuning | None = None,
+        use_graphs: bool | None = None,
+    ) -> None:
+        if name is not None:
+            self.name = name
+        if tuning is not None:
+            self.tuning = tuning
+        if use_graphs is not None:
+            self.use_cuda_graphs = use_graphs
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self._tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._state_bytes = 0
+
+    # --- protocol --------------------------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return Capabilities(TRITON_OPS, DENSE_KINDS | packed_kinds(), notes=self.notes)
+
+    def memory(self) -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"total": int(total), "free": int(free)}
+
+    def check_weight(self, name: str, w: Weight) -> None:
+        """Refuse a weight this backend cannot compute with, before anything is copied."""
+        check_kind(name, w, self.name)
+
+    def upload(self, store: Any) -> DeviceWeights:
+        """Check layouts and room first, then copy each weight as stored."""
+        host = {name: store.get(name) for name in store.names()}
+        for name, w in host.items():
+            self.check_weight(name, w)
+        need = sum(weight_bytes(w) for w in host.values())
+        free = self.memory()["free"]
+        if need + HEADROOM > free:
+            raise Unsupported(
+                Reason.CAPACITY,
+                f"weights of {need / 2**30:.2f} GiB",
+                f"the GPU has {free / 2**30:.2f} GiB free (keeping {HEADROOM / 2**30:.0f} GiB for activations)",
+            )
+        tensors = {name: to_device(w, self.device) for name, w in host.items()}
+        return DeviceWeights(tensors, activation_dtype(host), self.device)
+
+    def prepare(self, graph: Graph, weights: DeviceWeights) -> TritonProgram:
+        require_ops(graph, self.capabilities(), self.name)
+        kv = self.state_bytes(graph, weights.act_dtype)
+        free = self.memory()["free"] + self._state_bytes  # a state already allocated is reused
+        if kv + HEADROOM > free:
+            raise Unsupported(
+                Reason.CAPACITY,
+                f"KV cache of {kv / 2**30:.2f} GiB for step {graph.shape}",
+                f"the GPU has {free / 2**30:.2f} GiB free after the weights; lower the capacity",
+            )
+        self._act_dtype = weights.act_dtype
+        steps = Binder(graph, weights, self._rope_tables, self.name).bind_all()
+        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1
+        return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
+
+    def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
+        dtype = getattr(self, "_act_dtype", torch.bfloat16)
+        need = self.state_bytes(graph, dtype)
+        if need + HEADROOM > self.memory()["free"]:
+            raise Unsupported(Reason.CAPACITY, f"KV cache of {need / 2**30:.2f} GiB", "does not fit free GPU memory")
+        self._state_bytes += need
+        return {name: torch.zeros(spec.shape, dtype=dtype, device=self.device) for name, spec in graph.state.items()}
+
+    def copy_state_rows(self, state: dict[str, torch.Tensor], src_row: int, dst_row: int, length: int) -> None:
+        for buf in state.values():
+            buf[dst_row, :, :length] = buf[src_row, :, :length]
+
+    def to_numpy(self, value: torch.Tensor) -> np.ndarray:
+        return value.detach().float().cpu().numpy()
+
+    def greedy_token(self, value: torch.Tensor) -> int:
+        """The argmax over the vocabulary of row 0's last position, computed on the GPU: one id crosses."""
+        from .sampling import greedy
+        from .tuning import use_tuning
+
+        last = value[0, -1:].reshape(1, -1)
+        if self.tuning is None:
+            return int(greedy(last).item())
+        with use_tuning(self.tuning):
+            return int(greedy(last).item())
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    @staticmethod
+    def state_bytes(graph: Graph, dtype: torch.dtype) -> int:
+        size = torch.tensor([], dtype=dtype).element_size()
+        return sum(int(np.prod(spec.shape)) * size for spec in graph.state.values())
+
+    def _rope_tables(
+        self, theta: float, dim: int, scaling: dict[str, Any], positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (float(theta), int(dim), tuple(sorted(scaling.items())), int(positions))
+        tables = self._tables.get(key)
+        if tables is None:
+            try:
+                inv = inverse_frequencies(float(theta), int(dim), tuple(sorted(scaling.items())))
+            except ValueError as exc:
+                raise Unsupported(Reason.OPERATION, f"rope scaling {scaling}", str(exc)) from exc
+            angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+            tables = (angles.cos().to(self.device).contiguous(), angles.sin().to(self.device).contiguous())
+            self._tables[key] = tables
+        return tables
+
+
+__all__ = ["HEADROOM", "TRITON_OPS", "TritonExecutor"]
