@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, quants
 
 from poot_backend_vulkan.kernels.attention import attention_decode, attention_prefill
 from poot_backend_vulkan.kernels.elementwise import add, argmax, gated_activation
-from poot_backend_vulkan.kernels.linear import embed, linear
+from poot_backend_vulkan.kernels.linear import embed, gemv, linear
 from poot_backend_vulkan.kernels.norms import layer_norm, rms_norm
 from poot_backend_vulkan.kernels.positional import kv_write, rope, rope_inv_freq
 from poot_backend_vulkan.kernels.runtime import Runtime, vulkan_adapters
@@ -94,6 +94,30 @@ def test_linear_matches_dequantized_matmul(rt: Runtime, fmt: str) -> None:
         out = rt.empty((tokens, rows))
         run(rt, lambda b, x=x, out=out: linear(b, rt.upload(x), weight, out))
         assert rel_err(rt.read(out), x.astype(np.float64) @ dense.T.astype(np.float64)) < BOUNDS[fmt]
+
+
+def _reductions(runtime: Runtime) -> list[bool]:
+    return [False, True] if runtime.has_subgroups else [False]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+def test_gemv_matches_matmul_with_both_reductions(rt: Runtime, small_rt: Runtime, fmt: str) -> None:
+    """The one-token dense shader: rows not a multiple of the 4 per workgroup, a row long enough for the
+    four-word unrolled loop and its remainder, a bias, and a matrix split across bindings."""
+    rng = np.random.default_rng(11)
+    long_row = {"f32": 4 * 600, "f16": 8 * 536, "bf16": 8 * 536}[fmt]
+    for runtime, rows, cols in ((rt, 37, long_row), (small_rt, 9, 512)):
+        data, dense = make_weight(fmt, rows, cols, rng)
+        weight = upload_weight(runtime, data, fmt, (rows, cols))
+        assert (len(weight.chunks) > 1) == (runtime is small_rt)
+        x = rng.standard_normal((1, cols)).astype(np.float32)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        want = x.astype(np.float64) @ dense.T.astype(np.float64) + bias
+        for subgroups in _reductions(runtime):
+            args = (runtime.upload(x), weight, runtime.empty((1, rows)), runtime.upload(bias), subgroups)
+            out = args[2]
+            run(runtime, lambda batch, args=args: gemv(batch, *args))
+            assert rel_err(runtime.read(out), want) < BOUNDS[fmt], subgroups
 
 
 @pytest.mark.parametrize("fmt", ["f16", "Q8_0", "Q6_K"])
@@ -212,9 +236,7 @@ def test_rope_rotates_half_at_each_position(rt: Runtime, rot_dim: int) -> None:
         },
     )
     dx = rt.upload(x)
-    run(
-        rt, lambda b: rope(b, dx, rt.upload(positions, "u32"), rt.upload(inv), heads=heads, head_dim=head_dim)
-    )
+    run(rt, lambda b: rope(b, dx, rt.upload(positions, "u32"), rt.upload(inv), heads=heads, head_dim=head_dim))
     angle = (positions[:, None].astype(np.float32) * inv[None, :]).astype(np.float64)[:, None, :]
     half = rot_dim // 2
     x1, x2 = x[..., :half].astype(np.float64), x[..., half:rot_dim].astype(np.float64)
@@ -267,9 +289,7 @@ def test_prefill_attention_causal_gqa(rt: Runtime, window: int, softcap: float) 
     dq, dk, dv = rt.upload(q), rt.upload(k), rt.upload(v)
     run(
         rt,
-        lambda b: attention_prefill(
-            b, dq, dk, dv, out, start=start, scale=scale, window=window, softcap=softcap
-        ),
+        lambda b: attention_prefill(b, dq, dk, dv, out, start=start, scale=scale, window=window, softcap=softcap),
     )
     assert rel_err(rt.read(out), attention_reference(q, k, v, start, scale, window, softcap)) < F32
 

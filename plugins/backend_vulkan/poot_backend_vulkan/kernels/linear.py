@@ -9,6 +9,8 @@ from .shapes import check
 from .weights import DeviceWeight
 
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
+_GEMV_ROWS = 4  # must match ROWS in gemv.wgsl
+GEMV_FORMATS = {"bf16": 8, "f16": 8, "f32": 4}  # dense formats with a one-token shader: values per 16 bytes
 
 
 def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False):
@@ -27,6 +29,9 @@ def linear(
     check("linear.out", out, (tokens, weight.rows))
     if bias is not None:
         check("linear.bias", bias, (weight.rows,))
+    if tokens == 1 and weight.fmt.name in GEMV_FORMATS and weight.cols % GEMV_FORMATS[weight.fmt.name] == 0:
+        gemv(batch, x, weight, out, bias)
+        return
     pipeline = _pipeline(batch, "linear", weight, bias is not None)
     token_groups = -(-tokens // _TOKENS_PER_GROUP)
     if token_groups > MAX_GROUPS:
@@ -37,6 +42,39 @@ def linear(
         params = pack_params(chunk.rows, weight.cols, chunk.row_start, weight.rows, tokens)
         buffers = [chunk.buffer, x.buffer, out.buffer] + ([] if bias is None else [bias.buffer])
         batch.dispatch(pipeline, buffers, params, (gx, token_groups, gz))
+
+
+def gemv(
+    batch: Batch,
+    x: DeviceArray,
+    weight: DeviceWeight,
+    out: DeviceArray,
+    bias: DeviceArray | None = None,
+    subgroups: bool | None = None,
+) -> None:
+    """out[N] = W[N, K] @ x[K] (+ bias) for one token of dense weights, read as 16-byte words (gemv.wgsl).
+
+    subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes)."""
+    per_word = GEMV_FORMATS.get(weight.fmt.name)
+    if per_word is None or weight.cols % per_word:
+        raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
+    check("gemv.x", x, (1, weight.cols))
+    check("gemv.out", out, (1, weight.rows))
+    if bias is not None:
+        check("gemv.bias", bias, (weight.rows,))
+    use_subgroups = batch.runtime.gemv_subgroups if subgroups is None else subgroups
+    if use_subgroups and not batch.runtime.has_subgroups:
+        raise Unsupported(Reason.OPERATION, "gemv subgroups", "the device has no subgroup feature")
+    flag = "SUBGROUP" if use_subgroups else "TREE"
+    source = shader_source("gemv", f"gemv_{weight.fmt.name}").replace(f"//{flag} ", "")
+    if bias is not None:
+        source = source.replace("//BIAS ", "")
+    variant = flag + (":bias" if bias is not None else "")
+    pipeline = batch.runtime.pipeline(f"gemv:{weight.fmt.name}", source, variant)
+    for chunk in weight.chunks:
+        params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row)
+        buffers = [chunk.buffer, x.buffer, out.buffer] + ([] if bias is None else [bias.buffer])
+        batch.dispatch(pipeline, buffers, params, grid_1d(-(-chunk.rows // _GEMV_ROWS)))
 
 
 def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0) -> None:

@@ -84,6 +84,10 @@ class Runtime:
         self.features = frozenset(self.device.features)
         self.has_f16 = "shader-f16" in self.features
         self.has_subgroups = "subgroup" in self.features
+        # subgroupAdd reductions assume a subgroup fits within the 64 threads that share a row
+        info = adapter.info
+        widest = info.get("subgroup_max_size", info.get("stackgroup_max_size", 0)) or 0
+        self.gemv_subgroups = self.has_subgroups and 0 < int(widest) <= 64
         device_binding = int(self.device.limits["max-storage-buffer-binding-size"])
         self.max_binding_bytes = min(device_binding, max_binding_bytes or device_binding)
         self.max_buffer_bytes = int(self.device.limits["max-buffer-size"])

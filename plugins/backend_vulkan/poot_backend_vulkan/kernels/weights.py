@@ -45,9 +45,13 @@ _HOST_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 @dataclass
 class WeightChunk:
+    """Rows row_start .. row_start+rows of the matrix, held in `buffer` from its row `first_row` on (a
+    matrix stored inside a concatenation of several starts past row 0 of the shared buffer)."""
+
     row_start: int
     rows: int
     buffer: Any
+    first_row: int = 0
 
 
 @dataclass

@@ -1,0 +1,76 @@
+// y[row_offset + r] = sum_k W[first_row + r, k] * x[k]: one token, dense rows read as 16-byte words.
+// A workgroup of 256 threads takes 4 rows, 64 threads a row; thread `lane` reads words lane, lane+64, ...
+// so each step of the 64 threads is 1 KiB of one row, contiguous. Four words are loaded before any is
+// used (independent loads in flight). The 64 partial sums of a row are added with subgroupAdd where the
+// device has subgroups of at most 64 lanes (SUBGROUP lines), else by a tree in workgroup memory (TREE).
+// `gemv_<fmt>.wgsl` supplies PER_WORD (values per 16-byte word) and word_dot(word, index).
+struct Params {
+    rows: u32,
+    cols: u32,
+    row_offset: u32,
+    first_row: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> wt: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+//BIAS @group(0) @binding(4) var<storage, read> bias: array<f32>;
+
+const ROWS: u32 = 4u;
+const LANES: u32 = 64u;
+var<workgroup> partial: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) groups: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+//SUBGROUP @builtin(subgroup_size) sg_size: u32,
+//SUBGROUP @builtin(subgroup_invocation_id) sg_lane: u32,
+) {
+    let lane = lid % LANES;
+    let slot = lid / LANES;
+    let row = (wid.y * groups.x + wid.x) * ROWS + slot;
+    let words = p.cols / PER_WORD;
+    var acc = 0.0;
+    if (row < p.rows) {
+        let base = (p.first_row + row) * words;
+        var i = lane;
+        for (; i + 3u * LANES < words; i += 4u * LANES) {
+            let w0 = wt[base + i];
+            let w1 = wt[base + i + LANES];
+            let w2 = wt[base + i + 2u * LANES];
+            let w3 = wt[base + i + 3u * LANES];
+            acc += word_dot(w0, i) + word_dot(w1, i + LANES);
+            acc += word_dot(w2, i + 2u * LANES) + word_dot(w3, i + 3u * LANES);
+        }
+        for (; i < words; i += LANES) {
+            acc += word_dot(wt[base + i], i);
+        }
+    }
+//TREE partial[lid] = acc;
+//TREE workgroupBarrier();
+//TREE for (var stride = 32u; stride > 0u; stride >>= 1u) {
+//TREE     if (lane < stride) {
+//TREE         partial[lid] += partial[lid + stride];
+//TREE     }
+//TREE     workgroupBarrier();
+//TREE }
+//TREE let total = partial[slot * LANES];
+//SUBGROUP let summed = subgroupAdd(acc);
+//SUBGROUP if (sg_lane == 0u) {
+//SUBGROUP     partial[lid / sg_size] = summed;
+//SUBGROUP }
+//SUBGROUP workgroupBarrier();
+//SUBGROUP let per_row = LANES / sg_size;
+//SUBGROUP var total = 0.0;
+//SUBGROUP for (var j = 0u; j < per_row; j++) {
+//SUBGROUP     total += partial[slot * per_row + j];
+//SUBGROUP }
+    if (lane == 0u && row < p.rows) {
+        var value = total;
+        //BIAS value += bias[p.row_offset + row];
+        y[p.row_offset + row] = value;
+    }
+}
