@@ -126,6 +126,10 @@ class VulkanProgram:
         self._buffers = _Buffers(runtime)
         self._last_use = self._liveness()
         self._rope_tables: dict[tuple[Any, ...], DeviceArray] = {}
+        # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
+        # sum name -> (a, b), with a and b kept alive until the norm has read them
+        self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
+        self._late_reads: dict[int, list[str]] = {}
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
             self._at = index
@@ -161,7 +165,7 @@ class VulkanProgram:
 
     def _release(self, index: int, node: Node) -> None:
         """After node `index`: a buffer whose every aliasing value is dead goes back to the pool."""
-        for name in {*node.inputs, node.output}:
+        for name in {*node.inputs, node.output, *self._late_reads.get(index, ())}:
             value = self.values.get(name)
             if value is None or self._last_use.get(name, -1) > index:
                 continue
@@ -225,6 +229,12 @@ class VulkanProgram:
         x, w = self._value(node, 0), self._value(node, 1)
         out = self._new(node)
         eps, offset = float(node.attrs["eps"]), float(node.attrs.get("offset") or 0.0)
+        fused = self._fused_adds.pop(node.inputs[0], None)
+        if fused is not None:  # x = a + b is computed here and stored to x's buffer for its other readers
+            a, b = fused
+            return lambda rec, start: norms.rms_norm(
+                rec, a, w, out, eps=eps, weight_offset=offset, residual=b, residual_out=x
+            )
         return lambda rec, start: norms.rms_norm(rec, x, w, out, eps=eps, weight_offset=offset)
 
     def _op_layer_norm(self, node: Node) -> Emitter:
@@ -382,7 +392,18 @@ class VulkanProgram:
         b_view = _view(b, a.shape)
         return lambda rec, start: kernel(rec, a, b_view, out)
 
-    def _op_add(self, node: Node) -> Emitter:
+    def _op_add(self, node: Node) -> Emitter | None:
+        nodes = self.graph.nodes
+        after = nodes[self._at + 1] if self._at + 1 < len(nodes) else None
+        a, b = self._value(node, 0), self._value(node, 1)
+        if after is not None and after.op == "rms_norm" and after.inputs[0] == node.output and a.size == b.size:
+            self._new(node)
+            self._fused_adds[node.output] = (a, _view(b, a.shape))
+            for name in node.inputs[:2]:  # read by the norm: released after it, not after this node
+                if self._last_use.get(name, -1) == self._at:
+                    self._last_use[name] = self._at + 1
+                    self._late_reads.setdefault(self._at + 1, []).append(name)
+            return None
         return self._binary(node, ew.add)
 
     def _op_mul(self, node: Node) -> Emitter:
