@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
+from .splitk import choose_split, finish_split, split_buffers, steps_per_split
 from .tuning import Tile, Tuning, tuning_for_device
 
 GEMV_MAX_ROWS = 4  # up to this many rows, weights are streamed once per row (bandwidth bound anyway)
@@ -18,32 +22,40 @@ def _gemv_kernel(
     w_ptr,
     b_ptr,
     o_ptr,
+    part_ptr,
+    lock_ptr,
     n,
     k,
     x_stride,
     w_stride,
     o_stride,
+    k_per_split,
+    n_tiles,
+    split,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     nmask = offs_n < n
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k, k_start + k_per_split)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < k
+        kmask = offs_k < k_end
         x = tl.load(x_ptr + row * x_stride + offs_k, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(
             w_ptr + offs_n[:, None].to(tl.int64) * w_stride + offs_k[None, :],
             mask=nmask[:, None] & kmask[None, :],
             other=0.0,
+            eviction_policy="evict_first",
         ).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * o_stride + offs_n, acc.to(o_ptr.dtype.element_ty), mask=nmask)
+    finish_split(acc, offs_n, nmask, b_ptr, o_ptr, o_stride, part_ptr, lock_ptr, n, n_tiles, split,
+                 HAS_BIAS, SPLIT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -97,32 +109,61 @@ def _gemm_kernel(
     )
 
 
-def gemv_tile(n: int, rows: int, tuning: Tuning, tile: Tile | None = None, min_block: int = 8, k: int = 0) -> Tile:
-    """The GEMV tile for an output of width n: the tuning's tile, with narrower blocks when that would
-    leave fewer programs than the target keeps busy (a 4096-wide projection in 64-wide blocks fills only
-    64 programs, half an H200). `GEMV_OVERRIDE` replaces it (benchmark sweeps)."""
-    if GEMV_OVERRIDE is not None and tile is None:
-        return GEMV_OVERRIDE
-    if tile is None and (n, k) in GEMV_TILES:
-        return GEMV_TILES[(n, k)]
+def gemv_tile(
+    n: int,
+    rows: int,
+    tuning: Tuning,
+    tile: Tile | None = None,
+    min_block: int = 8,
+    k: int = 0,
+    kind: str = "dense",
+) -> Tile:
+    """The GEMV tile for an output of width n: a measured tile for (kind, n, k) when `GEMV_TILES` has one,
+    else the tuning's tile with narrower blocks when that would leave fewer programs than the target keeps
+    busy (a 4096-wide projection in 64-wide blocks fills only 64 programs, half an H200). The split along k
+    is chosen later (splitk.choose_split) unless the tile sets it. `GEMV_OVERRIDE[kind]` replaces it all
+    (benchmark sweeps, tests)."""
+    if kind in GEMV_OVERRIDE:
+        return GEMV_OVERRIDE[kind]
+    if (kind, n, k) in GEMV_TILES:
+        return GEMV_TILES[(kind, n, k)]
     tile = tuning.gemv if tile is None else tile
     block_n = tile.block_n
     while block_n > min_block and cdiv(n, block_n) * rows < tuning.decode_programs:
         block_n //= 2
     if block_n == tile.block_n:
         return tile
-    return Tile(
-        block_n=block_n,
-        block_k=tile.block_k,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-        extra=dict(tile.extra),
+    return dataclasses.replace(tile, block_n=block_n, extra=dict(tile.extra))
+
+
+# kind ("dense", "q4_k", "gptq") -> the tile every GEMV of that kind uses (benchmark sweeps, tests)
+GEMV_OVERRIDE: dict[str, Tile] = {}
+# Tiles measured best for particular (kind, n, k) shapes on the running device (filled by a benchmark sweep).
+GEMV_TILES: dict[tuple[str, int, int], Tile] = {}
+
+
+def launch_gemv(kernel: Any, tile: Tile, width: int, rows: int, steps: int, step: int, device: torch.device,
+                tuning: Tuning, /, **args: Any) -> None:  # fmt: skip
+    """Launch a GEMV kernel over (width / block_n tiles, rows, split) programs: `steps` steps of `step` along k shared
+    among the split programs of each tile. The kernel takes k_per_split in its own unit of k (elements,
+    64-element chunks or 8-element words: `step` is a step's size in that unit)."""
+    tiles = cdiv(width, tile.block_n)
+    per = steps_per_split(steps, choose_split(tile, tiles * rows, steps, tuning))
+    split, part, locks = split_buffers(cdiv(steps, per), rows, width, tiles, device)
+    if split == 1:
+        per = steps
+    launch(
+        kernel,
+        (tiles, rows, split),
+        tile,
+        part_ptr=part if part is not None else args["o_ptr"],
+        lock_ptr=locks if locks is not None else args["o_ptr"],
+        n_tiles=tiles,
+        split=split,
+        SPLIT=split > 1,
+        k_per_split=per * step,
+        **args,
     )
-
-
-GEMV_OVERRIDE: Tile | None = None
-# Tiles measured best for particular (n, k) dense shapes on the running device (filled by a benchmark sweep).
-GEMV_TILES: dict[tuple[int, int], Tile] = {}
 
 
 def dense_linear(
@@ -169,14 +210,10 @@ def dense_linear(
     )
     if m <= GEMV_MAX_ROWS:
         tile = gemv_tile(n, m, tuning, k=k)
-        launch(
-            _gemv_kernel,
-            (cdiv(n, tile.block_n), m),
-            tile,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            **common,
-        )
+        launch_gemv(
+            _gemv_kernel, tile, n, m, cdiv(k, tile.block_k), tile.block_k, x.device, tuning,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common,
+        )  # fmt: skip
     else:
         tile = tuning.gemm
         if x.dtype == torch.float32 and tile.num_stages > 2:

@@ -15,7 +15,8 @@ from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear, gemv_tile
+from .matmul import GEMV_MAX_ROWS, dense_linear, gemv_tile, launch_gemv
+from .splitk import finish_split
 from .tuning import tuning_for_device
 
 # name -> (kernel code, elements per block, bytes per block)
@@ -126,6 +127,93 @@ def _gguf_gemv_kernel(
 
 
 @triton.jit
+def _q4k_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    o_ptr,
+    part_ptr,
+    lock_ptr,
+    n,
+    k,
+    x_stride,
+    w_stride,
+    o_stride,
+    k_per_split,
+    n_tiles,
+    split,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Q4_K rows read as int32 words (w_ptr: the blocks viewed as int32, w_stride in words). k is walked in
+    chunks of 64 elements: a chunk is 8 words of nibbles (32 bytes: low nibbles are its first 32 elements,
+    high nibbles the next 32) sharing two 6-bit scale/min pairs. Products with x are summed per sub-block
+    first, then scaled once: sum(x * (d*sc*q - dmin*m)) = d*sc*sum(x*q) - dmin*m*sum(x)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1).to(tl.int64)
+    nmask = offs_n < n
+    rows = w_ptr + offs_n.to(tl.int64) * w_stride
+    xrow = x_ptr + row * x_stride
+    wi = tl.arange(0, 8)
+    c_start = tl.program_id(2) * k_per_split
+    c_end = tl.minimum(k // 64, c_start + k_per_split)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for c0 in range(c_start, c_end, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)  # chunk index along the row
+        cmask = cc < c_end
+        block = (cc // 4) * 36  # first word of the chunk's 144-byte block
+        part = cc % 4
+        m2 = nmask[:, None] & cmask[None, :]
+        at = rows[:, None] + block[None, :]
+        words = tl.load(
+            at[:, :, None] + (4 + part * 8)[None, :, None] + wi[None, None, :],
+            mask=m2[:, :, None],
+            other=0,
+            eviction_policy="evict_first",
+        )
+        head = tl.load(at, mask=m2, other=0)  # f16 d | f16 dmin << 16
+        s1 = tl.load(at + 1, mask=m2, other=0)  # scale bytes 0-3
+        s2 = tl.load(at + 2, mask=m2, other=0)  # 4-7
+        s3 = tl.load(at + 3, mask=m2, other=0)  # 8-11
+        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((head >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        # sub-blocks 2*part and 2*part+1 use bytes i and i+1 of each scale word, i = 2 * (part % 2)
+        shift = ((part % 2) * 16)[None, :]
+        low = (part < 2)[None, :]
+        a0, a1 = (s1 >> shift) & 0xFF, (s1 >> (shift + 8)) & 0xFF
+        b0, b1 = (s2 >> shift) & 0xFF, (s2 >> (shift + 8)) & 0xFF
+        c0_, c1_ = (s3 >> shift) & 0xFF, (s3 >> (shift + 8)) & 0xFF
+        sc0 = tl.where(low, a0 & 63, (c0_ & 0xF) | ((a0 >> 6) << 4)).to(tl.float32)
+        sc1 = tl.where(low, a1 & 63, (c1_ & 0xF) | ((a1 >> 6) << 4)).to(tl.float32)
+        mn0 = tl.where(low, b0 & 63, (c0_ >> 4) | ((b0 >> 6) << 4)).to(tl.float32)
+        mn1 = tl.where(low, b1 & 63, (c1_ >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
+        # nibble e of word wi: byte e // 2, low (even e) or high; element 32 * (e % 2) + 4 * wi + e // 2
+        xat = xrow + cc[:, None].to(tl.int64) * 64 + 4 * wi[None, :]
+        p_lo = tl.zeros([BLOCK_N, BLOCK_C, 8], tl.float32)
+        p_hi = tl.zeros([BLOCK_N, BLOCK_C, 8], tl.float32)
+        x_lo = tl.zeros([BLOCK_C, 8], tl.float32)
+        x_hi = tl.zeros([BLOCK_C, 8], tl.float32)
+        for e in tl.static_range(8):
+            xe = tl.load(xat + (32 * (e % 2) + e // 2), mask=cmask[:, None], other=0.0).to(tl.float32)
+            q = ((words >> (4 * e)) & 0xF).to(tl.float32)
+            if e % 2 == 0:
+                p_lo += q * xe[None, :, :]
+                x_lo += xe
+            else:
+                p_hi += q * xe[None, :, :]
+                x_hi += xe
+        r_lo = tl.sum(p_lo, axis=2)
+        r_hi = tl.sum(p_hi, axis=2)
+        xs_lo = tl.sum(x_lo, axis=1)[None, :]
+        xs_hi = tl.sum(x_hi, axis=1)[None, :]
+        acc += tl.sum(d * (sc0 * r_lo + sc1 * r_hi) - dmin * (mn0 * xs_lo + mn1 * xs_hi), axis=1)
+    finish_split(acc, offs_n, nmask, b_ptr, o_ptr, o_stride, part_ptr, lock_ptr, n, n_tiles, split,
+                 HAS_BIAS, SPLIT, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
 def _gguf_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -219,7 +307,16 @@ def gguf_linear(
         QTYPE=code,
         HAS_BIAS=bias is not None,
     )
-    if m <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS and gguf_type == "Q4_K" and _words_view_ok(blocks):
+        tile = gemv_tile(n, m, tuning, tuning.q4k_gemv, k=k, kind="q4_k")
+        chunks = max(1, tile.block_k // 64)
+        common.update(w_ptr=blocks.view(torch.int32), w_stride=blocks.stride(0) // 4)
+        del common["QTYPE"]
+        launch_gemv(
+            _q4k_gemv_kernel, tile, n, m, cdiv(k // 64, chunks), chunks, x.device, tuning,
+            BLOCK_N=tile.block_n, BLOCK_C=chunks, **common,
+        )  # fmt: skip
+    elif m <= GEMV_MAX_ROWS:
         tile = gemv_tile(n, m, tuning, tuning.qgemv)
         grid = (cdiv(n, tile.block_n), m)
         launch(_gguf_gemv_kernel, grid, tile, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
@@ -263,6 +360,8 @@ def _gptq_gemv_kernel(
     g_ptr,
     b_ptr,
     o_ptr,
+    part_ptr,
+    lock_ptr,
     n,
     k,
     x_stride,
@@ -270,27 +369,58 @@ def _gptq_gemv_kernel(
     qz_stride,
     s_stride,
     o_stride,
+    group_words,
+    k_per_split,
+    n_tiles,
+    split,
     ZERO_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
 ):
+    """Whole int32 words of qweight [k/8, n] per step ([BLOCK_KW, BLOCK_N], contiguous along n), unpacked to
+    [BLOCK_KW, 8, BLOCK_N] in registers. GROUPED: g_idx is k // (8 * group_words) and a step never crosses a
+    group, so the step's scales and zeros are one row each, applied once to the step's sums; otherwise
+    (act-order) each input row's group comes from g_idx."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     nmask = offs_n < n
+    t = tl.arange(0, 8)
+    zshift = (offs_n % 8) * 4
+    w_start = tl.program_id(2) * k_per_split
+    w_end = tl.minimum(k // 8, w_start + k_per_split)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < k
-        x = tl.load(x_ptr + row * x_stride + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        w = _dequant_gptq(
-            qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k[:, None], offs_n[None, :], kmask[:, None] & nmask[None, :],
-            qw_stride, qz_stride, s_stride, ZERO_OFFSET,
-        )  # fmt: skip
-        acc += tl.sum(w * x[:, None], axis=0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * o_stride + offs_n, acc.to(o_ptr.dtype.element_ty), mask=nmask)
+    for kw0 in range(w_start, w_end, BLOCK_KW):
+        kws = kw0 + tl.arange(0, BLOCK_KW)
+        kmask = kws < w_end
+        words = tl.load(
+            qw_ptr + kws[:, None].to(tl.int64) * qw_stride + offs_n[None, :],
+            mask=kmask[:, None] & nmask[None, :],
+            other=0,
+            eviction_policy="evict_first",
+        )
+        kk = kws[:, None] * 8 + t[None, :]  # [BLOCK_KW, 8] input rows
+        xv = tl.load(x_ptr + row * x_stride + kk, mask=kmask[:, None], other=0.0).to(tl.float32)
+        q = (words[:, None, :] >> (4 * t)[None, :, None]) & 0xF  # [BLOCK_KW, 8, BLOCK_N]
+        if GROUPED:
+            g = kw0 // group_words
+            s = tl.load(s_ptr + g * s_stride + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            zp = tl.load(qz_ptr + g * qz_stride + offs_n // 8, mask=nmask, other=0)
+            z = (((zp >> zshift) & 0xF) + ZERO_OFFSET).to(tl.float32)
+            dot = tl.sum(tl.sum(q.to(tl.float32) * xv[:, :, None], axis=1), axis=0)
+            acc += s * (dot - z * tl.sum(tl.sum(xv, axis=1), axis=0))
+        else:
+            g = tl.load(g_ptr + kk, mask=kmask[:, None], other=0).to(tl.int64)[:, :, None]
+            m3 = kmask[:, None, None] & nmask[None, None, :]
+            s = tl.load(s_ptr + g * s_stride + offs_n[None, None, :], mask=m3, other=0.0).to(tl.float32)
+            zp = tl.load(qz_ptr + g * qz_stride + (offs_n // 8)[None, None, :], mask=m3, other=0)
+            z = ((zp >> zshift[None, None, :]) & 0xF) + ZERO_OFFSET
+            w = (q - z).to(tl.float32) * s
+            acc += tl.sum(tl.sum(w * xv[:, :, None], axis=1), axis=0)
+    finish_split(acc, offs_n, nmask, b_ptr, o_ptr, o_stride, part_ptr, lock_ptr, n, n_tiles, split,
+                 HAS_BIAS, SPLIT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -357,6 +487,7 @@ def gptq_linear(
     bias: torch.Tensor | None = None,
     *,
     zero_offset: int = 1,
+    group_size: int | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ W for a 4-bit GPTQ matrix W [k, n] (the checkpoint's in_features x out_features).
@@ -366,6 +497,8 @@ def gptq_linear(
     g_idx: int32/int64 [k], the group of each input row (act-order safe). Element value:
     (q - (zero + zero_offset)) * scale; zero_offset is 1 for checkpoints in the original GPTQ ("v1") format,
     0 for the "v2" format. x: [m, k] float; bias [n] or None. Returns [m, n] in x's dtype.
+    group_size: when given, the caller vouches that g_idx is k // group_size (no act-order; -1 or 0: one
+    group), and the decode GEMV applies each group's scales once per step instead of per element.
     """
     check_dims("x", x, 2)
     check_float("x", x)
@@ -380,6 +513,9 @@ def gptq_linear(
     require(scales.shape[1] == n and qzeros.shape[1] * 8 == n, "scales/qzeros do not match qweight's width")
     require(qzeros.shape[0] == scales.shape[0], "qzeros and scales disagree on the group count")
     require(g_idx.shape == (k,), f"g_idx must be [{k}]")
+    if group_size is not None and group_size > 0:
+        require(group_size % 8 == 0 and k % group_size == 0, f"group size {group_size} does not divide k={k}")
+        require(k // group_size == scales.shape[0], f"group size {group_size} disagrees with {scales.shape[0]} groups")
     check_same_device(x, qweight, qzeros, scales, g_idx)
     if bias is not None:
         require(bias.shape == (n,), f"bias must be [{n}]")
@@ -406,8 +542,20 @@ def gptq_linear(
         HAS_BIAS=bias is not None,
     )
     if m <= GEMV_MAX_ROWS:
-        tile = gemv_tile(n, m, tuning, tuning.qgemv, min_block=16)
-        launch(_gptq_gemv_kernel, (cdiv(n, tile.block_n), m), tile, BLOCK_N=tile.block_n, BLOCK_K=64, **common)
+        tile = gemv_tile(n, m, tuning, tuning.gptq_gemv, min_block=16, k=k, kind="gptq")
+        words = k // 8
+        block_kw = max(1, tile.block_k // 8)
+        grouped = group_size is not None
+        if grouped:
+            group_words = (k if group_size <= 0 else group_size) // 8
+            while group_words % block_kw:  # a step never crosses a group
+                block_kw //= 2
+        else:
+            group_words = words
+        launch_gemv(
+            _gptq_gemv_kernel, tile, n, m, cdiv(words, block_kw), block_kw, x.device, tuning,
+            group_words=group_words, GROUPED=grouped, BLOCK_N=tile.block_n, BLOCK_KW=block_kw, **common,
+        )  # fmt: skip
     else:
         tile = tuning.qgemm
         launch(
@@ -422,6 +570,25 @@ def gptq_linear(
             **common,
         )
     return out
+
+
+def _words_view_ok(blocks: torch.Tensor) -> bool:
+    """Whether uint8 blocks [n, bytes] can be read as int32 words (4-byte aligned rows and start)."""
+    return blocks.stride(0) % 4 == 0 and blocks.shape[1] % 4 == 0 and blocks.storage_offset() % 4 == 0
+
+
+def _plain_group_size(weight: PackedWeight) -> int | None:
+    """The group size when the checkpoint says g_idx is plain k // group_size (no act-order), else None."""
+    meta = weight.meta
+    if meta.get("desc_act", True) or "group_size" not in meta:
+        return None
+    k = weight.shape[1]
+    size = int(meta["group_size"])
+    size = k if size <= 0 else size
+    groups = weight.parts["scales"].shape[0]
+    if size % 8 or k % size or k // size != groups:
+        return None
+    return size
 
 
 def linear(
@@ -441,6 +608,7 @@ def linear(
         p = weight.parts
         offset = 0 if weight.meta.get("checkpoint_format") == "gptq_v2" else 1
         return gptq_linear(
-            x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bias, zero_offset=offset, out_dtype=out_dtype
-        )
+            x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bias,
+            zero_offset=offset, group_size=_plain_group_size(weight), out_dtype=out_dtype,
+        )  # fmt: skip
     raise Unsupported(Reason.QUANTIZATION, weight.kind, "Triton kernels compute gguf and 4-bit gptq layouts")

@@ -28,6 +28,7 @@ class Tile:
     num_warps: int = 4
     num_stages: int = 2
     extra: dict[str, int] = field(default_factory=dict)
+    split_k: int = 0  # GEMV only: programs sharing one output tile along k (0: chosen from the shape)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ class Tuning:
     qgemv: Tile
     qgemm: Tile
     decode_programs: int  # how many programs flash-decoding aims to keep busy
+    # 4-bit GEMVs over whole words: Q4_K (block_k elements = block_k / 64 chunks of 32 bytes per step) and
+    # GPTQ (block_k elements = block_k / 8 int32 words per step, never more than one group)
+    q4k_gemv: Tile = field(default_factory=lambda: Tile(block_n=16, block_k=512, num_warps=4, num_stages=2))
+    gptq_gemv: Tile = field(default_factory=lambda: Tile(block_n=64, block_k=128, num_warps=4, num_stages=2))
+    # GEMVs split along k until about this many programs run (enough loads in flight to cover memory latency)
+    gemv_programs: int = 0
 
 
 _HOPPER = Tuning(
@@ -61,6 +68,9 @@ _HOPPER = Tuning(
     qgemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=2),
     qgemm=Tile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3),
     decode_programs=264,  # two waves over the H100/H200's 132 SMs
+    q4k_gemv=Tile(block_n=16, block_k=512, num_warps=4, num_stages=2),
+    gptq_gemv=Tile(block_n=64, block_k=128, num_warps=4, num_stages=2),
+    gemv_programs=2112,  # 16 per SM: a 4096-wide GEMV in 8-row tiles is split 4 ways along k
 )
 
 _AMPERE = Tuning(
@@ -76,6 +86,7 @@ _AMPERE = Tuning(
     qgemv=Tile(block_n=32, block_k=256, num_warps=4, num_stages=2),
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
     decode_programs=216,
+    gemv_programs=1728,
 )
 
 # CDNA: 64-lane wavefronts, 64 KiB LDS per CU; the stream-pipeliner wants num_stages 2 at most here.
@@ -92,6 +103,9 @@ _CDNA3 = Tuning(
     qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=608,  # two waves over the MI300X's 304 CUs
+    q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
+    gptq_gemv=Tile(block_n=64, block_k=128, num_warps=4, num_stages=1),
+    gemv_programs=2432,
 )
 
 _CDNA2 = Tuning(
@@ -107,6 +121,9 @@ _CDNA2 = Tuning(
     qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=220,  # MI250X GCD: 110 CUs
+    q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
+    gptq_gemv=Tile(block_n=64, block_k=128, num_warps=4, num_stages=1),
+    gemv_programs=880,
 )
 
 # RDNA3: wave32, WMMA, 64 KiB LDS per workgroup processor.
@@ -123,6 +140,9 @@ _RDNA3 = Tuning(
     qgemv=Tile(block_n=16, block_k=256, num_warps=4, num_stages=1),
     qgemm=Tile(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=192,
+    q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
+    gptq_gemv=Tile(block_n=32, block_k=128, num_warps=4, num_stages=1),
+    gemv_programs=768,
 )
 
 INTERPRETER = Tuning(
@@ -138,6 +158,9 @@ INTERPRETER = Tuning(
     qgemv=Tile(block_n=8, block_k=256, num_warps=1, num_stages=1),
     qgemm=Tile(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1),
     decode_programs=4,
+    q4k_gemv=Tile(block_n=4, block_k=128, num_warps=1, num_stages=1),
+    gptq_gemv=Tile(block_n=8, block_k=64, num_warps=1, num_stages=1),
+    gemv_programs=8,
 )
 
 TUNINGS: dict[str, Tuning] = {t.name: t for t in (_HOPPER, _AMPERE, _CDNA3, _CDNA2, _RDNA3, INTERPRETER)}
