@@ -172,70 +172,141 @@ def rotation(ws: list[torch.Tensor]) -> Any:
     return nxt
 
 
-def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
-    """Time the dense GEMV for each projection shape over a few tiles (inside a CUDA graph, as decode runs
-    them); install the best per shape."""
+DENSE_TILES = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 3)]
+Q4K_TILES = [(16, 512, 4, 2), (8, 512, 4, 2), (32, 256, 4, 2), (16, 1024, 8, 2), (32, 512, 8, 2)]
+GPTQ_TILES = [(64, 128, 4, 2), (128, 128, 4, 2), (32, 128, 4, 2), (256, 128, 8, 2), (128, 64, 4, 2)]
+SPLITS = [1, 2, 4, 8]
+
+
+def sweep_shape(kind: str, label: str, n: int, k: int, make, tiles, splits, bandwidth: float) -> dict[str, Any]:
+    """Time one GEMV shape over tiles x splits (inside a CUDA graph, weights rotated past the L2); check
+    each against the same weight through the GEMM route (5 rows, independently tested); install the best."""
     import poot_kernels_triton as ktr
     from poot_kernels_triton import matmul
     from poot_kernels_triton.tuning import Tile
 
+    first, nbytes = make()
+    copies = max(1, int(200e6 // nbytes))
+    ws = [first] + [make()[0] for _ in range(copies - 1)]
+    nxt = rotation(ws)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    ref = ktr.linear(x.expand(5, k).contiguous(), ws[0])[0:1].float()  # GEMM route
+    rows = []
+    for bn, bk, warps, stages in tiles:
+        for split in splits:
+            tile = Tile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
+            matmul.GEMV_OVERRIDE[kind] = tile
+            try:
+                got = ktr.linear(x, ws[0]).float()
+                err = float((got - ref).norm() / ref.norm())
+                us = graph_us(lambda: ktr.linear(x, nxt()))
+                rows.append((us, tile, err))
+            except Exception as exc:  # a tile that fails to compile is skipped, reported
+                log(f"  {kind} {label} tile {tile} failed: {type(exc).__name__}: {str(exc)[:300]}")
+    matmul.GEMV_OVERRIDE.pop(kind, None)
+    default_us = graph_us(lambda: ktr.linear(x, nxt()))
+    ok = [r for r in rows if r[2] < 2e-2]
+    best_us, best, best_err = min(ok or rows, key=lambda r: r[0])
+    matmul.GEMV_TILES[(kind, n, k)] = best
+    worst_err = max(r[2] for r in rows)
+    rep = {
+        "n": n,
+        "k": k,
+        "bytes": nbytes,
+        "best_tile": [best.block_n, best.block_k, best.num_warps, best.num_stages, best.split_k],
+        "best_us": best_us,
+        "best_GBps": nbytes / (best_us * 1e-6) / 1e9,
+        "fraction_of_copy": nbytes / (best_us * 1e-6) / 1e9 / bandwidth,
+        "default_us": default_us,
+        "rel_err": best_err,
+        "worst_rel_err": worst_err,
+        "all": [
+            {"tile": [t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k], "us": u, "err": e}
+            for u, t, e in rows
+        ],
+    }
+    extra = ""
+    if kind == "dense":
+        cublas = graph_us(lambda: torch.nn.functional.linear(x, nxt()))
+        rep["torch_cublas_us"] = cublas
+        extra = f" (cuBLAS {cublas:6.1f} us)"
+    log(
+        f"  {kind:5s} {label:8s} n={n:6d} k={k:5d}: best {best.block_n}x{best.block_k} w{best.num_warps} "
+        f"s{best.num_stages} split {best.split_k} {best_us:7.1f} us {rep['best_GBps']:6.0f} GB/s "
+        f"({100 * rep['fraction_of_copy']:.0f}% of copy; default {default_us:6.1f} us){extra} err {best_err:.1e} "
+        f"(worst {worst_err:.1e}) floor {nbytes / bandwidth / 1e3:6.1f} us"
+    )
+    return rep
+
+
+def projection_shapes(hf: dict[str, Any], quant: str | None) -> dict[str, tuple[int, int]]:
     d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
-    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (v, d)}
-    tiles = [
-        Tile(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        for bn, bk, w, st in (
-            (8, 512, 4, 3),
-            (16, 256, 4, 3),
-            (16, 512, 4, 3),
-            (32, 256, 4, 3),
-            (16, 1024, 8, 2),
-            (32, 512, 8, 3),
-            (64, 256, 4, 3),
-            (8, 1024, 4, 4),
-        )
-    ]
-    report: dict[str, Any] = {}
-    for label, (n, k) in shapes.items():
-        copies = max(1, int(200e6 // (n * k * 2)))  # rotate weights past the 60 MB L2
-        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        nbytes = n * k * 2
-        nxt = rotation(ws)
+    if quant == "gptq":  # GPTQ weights are not concatenated: q, k, v and gate, up run alone
+        return {"q": (d, d), "k_v": (kv, d), "o": (d, d), "gate|up": (f, d), "down": (d, f)}
+    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f)}
+    if quant is None:
+        shapes["lm_head"] = (v, d)
+    return shapes
 
-        ref = torch.nn.functional.linear(x.float(), ws[0].float())
-        rows = []
-        for tile in tiles:
-            matmul.GEMV_OVERRIDE = tile
-            try:
-                got = ktr.dense_linear(x, ws[0]).float()
-                err = float((got - ref).norm() / ref.norm())
-                ms = graph_us(lambda x=x, nxt=nxt: ktr.dense_linear(x, nxt())) / 1e3
-                rows.append((ms, tile, err))
-            except Exception as exc:  # a tile that fails to compile is skipped, reported
-                log(f"  {label} tile {tile} failed: {type(exc).__name__}: {exc}")
-        matmul.GEMV_OVERRIDE = None
-        torch_ms = graph_us(lambda x=x, nxt=nxt: torch.nn.functional.linear(x, nxt())) / 1e3
-        best_ms, best, best_err = min(rows, key=lambda r: r[0])
-        matmul.GEMV_TILES[(n, k)] = best
-        report[label] = {
-            "n": n,
-            "k": k,
-            "best_tile": [best.block_n, best.block_k, best.num_warps, best.num_stages],
-            "best_us": best_ms * 1e3,
-            "best_GBps": nbytes / (best_ms * 1e-3) / 1e9,
-            "rel_err": best_err,
-            "torch_cublas_us": torch_ms * 1e3,
-            "torch_GBps": nbytes / (torch_ms * 1e-3) / 1e9,
-            "all": [{"tile": [t.block_n, t.block_k, t.num_warps, t.num_stages], "us": m * 1e3} for m, t, _ in rows],
-        }
-        log(
-            f"  gemv {label:8s} n={n:6d} k={k:5d}: best {best.block_n}x{best.block_k} w{best.num_warps} "
-            f"s{best.num_stages} {best_ms * 1e3:7.1f} us {report[label]['best_GBps']:6.0f} GB/s "
-            f"(cuBLAS {torch_ms * 1e3:7.1f} us {report[label]['torch_GBps']:6.0f} GB/s) err {best_err:.1e} "
-            f"floor {nbytes / bandwidth / 1e3:6.1f} us"
-        )
+
+def gemv_sweep(hf: dict[str, Any], bandwidth: float, quant: str | None) -> dict[str, Any]:
+    """Sweep every projection shape of one weight kind; the best tiles stay installed for the decode run."""
+    from poot_core import PackedWeight
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    report: dict[str, Any] = {}
+    for label, (n, k) in projection_shapes(hf, quant).items():
+        if quant is None:
+            kind, tiles = "dense", DENSE_TILES
+
+            def make(n=n, k=k):
+                w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+                return w, n * k * 2
+
+        elif quant == "q4_k":
+            kind, tiles = "q4_k", Q4K_TILES
+
+            def make(n=n, k=k):
+                blocks = q4k_blocks(n, k, gen)
+                return PackedWeight("gguf", (n, k), {"blocks": blocks}, {"type": "Q4_K"}), blocks.numel()
+
+        else:
+            kind, tiles = "gptq", GPTQ_TILES
+
+            def make(n=n, k=k):
+                parts = gptq_parts(n, k, gen)
+                meta = {"bits": 4, "group_size": 128, "sym": False, "desc_act": False}
+                size = sum(t.numel() * t.element_size() for t in parts.values())
+                return PackedWeight("gptq", (n, k), parts, meta), size
+
+        splits = [1] if label == "lm_head" else SPLITS
+        report[label] = sweep_shape(kind, label, n, k, make, tiles[:3] if label == "lm_head" else tiles,
+                                    splits, bandwidth)  # fmt: skip
     return report
+
+
+def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 5) -> dict[str, float]:
+    """Device microseconds per decode step by kernel name (eager steps under the profiler; kernel times
+    match the replayed graph's, the launch gaps do not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.use_graph = False
+    try:
+        dec.run(state, inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                dec.run(state, inputs)
+            torch.cuda.synchronize()
+    finally:
+        dec.use_graph = True
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us:
+            totals[ev.key[:80]] = us / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 # --- poot ------------------------------------------------------------------------------------------------
@@ -305,6 +376,16 @@ def poot_run(
     step_inputs = {"tokens": np.array([[1]]), "positions": np.array([[prompt + new // 2]])}
     result["graph_step_ms"] = events_ms(lambda: dec._cuda_graph.replay(), reps=50)
     dec.run(state, step_inputs)
+    try:
+        prof = kernel_profile(dec, state, step_inputs)
+        result["kernel_us_per_step"] = prof
+        result["kernel_us_total"] = sum(prof.values())
+        log(
+            f"  {quant or 'bf16'} step by kernel (us): "
+            + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(prof.items())[:12])
+        )
+    except Exception as exc:  # the profile is a diagnosis, never a reason to lose the run
+        result["kernel_profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
     if prefill:
         big, _ = program(prefill)
         ids2 = rng.integers(0, hf["vocab_size"], prefill)
@@ -378,10 +459,16 @@ def main() -> int:
     bw = copy_bandwidth()
     out["copy_GBps"] = bw
     log(f"device {out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
-    if not args.no_sweep:
-        out["gemv_sweep"] = gemv_sweep(hf, bw)
     out["poot"] = []
+    out["gemv_sweep"] = {}
     for quant in [None] + [q for q in args.quant.split(",") if q]:
+        if not args.no_sweep:
+            try:
+                out["gemv_sweep"][quant or "bf16"] = gemv_sweep(hf, bw, quant)
+            except Exception as exc:  # keep going: the decode run still uses the default tiles
+                out["gemv_sweep"][quant or "bf16"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                log("sweep failed", quant, exc)
+            torch.cuda.empty_cache()
         try:
             r = poot_run(hf, quant, args.prompt, args.new, args.prefill if quant is None else 0, bw)
         except Exception as exc:  # report and go on to the next variant
