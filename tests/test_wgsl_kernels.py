@@ -120,6 +120,36 @@ def test_gemv_matches_matmul_with_both_reductions(rt: Runtime, small_rt: Runtime
             assert rel_err(runtime.read(out), want) < BOUNDS[fmt], subgroups
 
 
+@pytest.mark.parametrize("parts", [(24, 8, 8), (40, 40)])
+def test_gemv_writes_a_concatenation_to_its_parts(rt: Runtime, small_rt: Runtime, parts) -> None:
+    """q/k/v (or gate/up) stored as one matrix: one dispatch fills each part's own buffer, also when the
+    concatenation is split across bindings; a row range of it alone runs through linear."""
+    from poot_backend_vulkan.kernels.weights import row_range
+
+    rng = np.random.default_rng(12)
+    rows, cols = sum(parts), 128
+    data, dense = make_weight("bf16", rows, cols, rng)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.T.astype(np.float64)
+    for runtime in (rt, small_rt):
+        weight = upload_weight(runtime, data, "bf16", (rows, cols))
+        for subgroups in _reductions(runtime):
+            outs = [runtime.empty((1, n)) for n in parts]
+            args = (runtime.upload(x), weight, outs, None, subgroups)
+            run(runtime, lambda batch, args=args: gemv(batch, *args))
+            got = np.concatenate([runtime.read(o) for o in outs], axis=1)
+            assert rel_err(got, want) < HALF
+        start = parts[0]
+        part = row_range(weight, start, start + parts[1])
+        for tokens in (1, 3):
+            xs = rng.standard_normal((tokens, cols)).astype(np.float32)
+            args = (runtime.upload(xs), part, runtime.empty((tokens, parts[1])))
+            out = args[2]
+            run(runtime, lambda batch, args=args: linear(batch, *args))
+            ref = xs.astype(np.float64) @ dense[start : start + parts[1]].T.astype(np.float64)
+            assert rel_err(runtime.read(out), ref) < HALF
+
+
 @pytest.mark.parametrize("fmt", ["f16", "Q8_0", "Q6_K"])
 def test_linear_splits_a_matrix_larger_than_one_binding(small_rt: Runtime, fmt: str) -> None:
     rng = np.random.default_rng(2)

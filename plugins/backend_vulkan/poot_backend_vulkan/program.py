@@ -130,6 +130,7 @@ class VulkanProgram:
         # sum name -> (a, b), with a and b kept alive until the norm has read them
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
         self._late_reads: dict[int, list[str]] = {}
+        self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
             self._at = index
@@ -243,11 +244,45 @@ class VulkanProgram:
         eps = float(node.attrs["eps"])
         return lambda rec, start: norms.layer_norm(rec, x, w, out, eps=eps, bias=b)
 
-    def _op_linear(self, node: Node) -> Emitter:
+    def _op_linear(self, node: Node) -> Emitter | None:
+        if node.output in self._filled:  # computed by the concatenated matmul of an earlier node
+            return None
         x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
+        group = None if b is not None else self._concatenated_partners(node)
         out = self._new(node)
         flat_x, flat_out = _view(x, (x.size // w.cols, w.cols)), _view(out, (x.size // w.cols, w.rows))
-        return lambda rec, start: lin.linear(rec, flat_x, w, flat_out, bias=b)
+        if group is None:
+            return lambda rec, start: lin.linear(rec, flat_x, w, flat_out, bias=b)
+        whole, partners = group
+        outs = [flat_out]
+        for later in partners:  # their outputs exist from here on: this dispatch writes them
+            array = self._define(later.output, self._buffers.take(tuple(later.shape)))
+            outs.append(_view(array, (1, array.size)))
+            self._filled.add(later.output)
+        return lambda rec, start: lin.gemv(rec, flat_x, whole, outs)
+
+    def _concatenated_partners(self, node: Node) -> tuple[DeviceWeight, list[Node]] | None:
+        """For a one-token linear on the first part of an uploaded concatenation (q of q/k/v, gate of
+        gate/up): the concatenation and the later linear nodes that read the other parts from the same
+        input, when every part is there; else None (each part then runs alone, as a row range)."""
+        if self.tokens != 1:
+            return None
+        found = self.weights.concatenation_of(node.inputs[1].removeprefix("w:"))
+        if found is None:
+            return None
+        names, whole = found
+        per_word = lin.GEMV_FORMATS.get(whole.fmt.name)
+        if node.inputs[1] != "w:" + names[0] or per_word is None or whole.cols % per_word:
+            return None
+        partners: dict[str, Node] = {}
+        for later in self.graph.nodes[self._at + 1 :]:
+            weight = later.inputs[1] if later.op == "linear" and len(later.inputs) > 1 else ""
+            unbiased = len(later.inputs) < 3 or not later.inputs[2]
+            if later.inputs[0] == node.inputs[0] and weight.removeprefix("w:") in names[1:] and unbiased:
+                partners.setdefault(weight.removeprefix("w:"), later)
+        if len(partners) != len(names) - 1:
+            return None
+        return whole, [partners[name] for name in names[1:]]
 
     def _op_logits(self, node: Node) -> Emitter:
         x, w = self._value(node, 0), self._matrix(node, 1)

@@ -16,11 +16,14 @@ import torch
 from poot_core import PackedWeight, Reason, Unsupported, weight_kind
 
 from .kernels.runtime import DeviceArray, Runtime
-from .kernels.weights import FORMATS, DeviceWeight, upload_weight
+from .kernels.weights import FORMATS, DeviceWeight, row_range, upload_weight
 
 DENSE_FORMATS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 GGUF_TYPES = tuple(name for name in FORMATS if name.startswith("Q"))
 WEIGHT_KINDS = frozenset(DENSE_FORMATS) | frozenset(f"gguf.{t}" for t in GGUF_TYPES)
+# Matrices that read the same input, stored one after another in one buffer so that a one-token step
+# reads them in one dispatch; each stays addressable alone as a row range of the concatenation.
+CONCATENATED = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("gate_proj.weight", "up_proj.weight"))
 
 
 @dataclass
@@ -32,39 +35,92 @@ class DeviceWeights:
     matrices: dict[str, DeviceWeight] = field(default_factory=dict)
     vectors: dict[str, DeviceArray] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    # (part names in row order) -> their concatenation; matrices[part] is a row range of it
+    concatenated: dict[tuple[str, ...], DeviceWeight] = field(default_factory=dict)
+
+    def concatenation_of(self, name: str) -> tuple[tuple[str, ...], DeviceWeight] | None:
+        for names, weight in self.concatenated.items():
+            if name in names:
+                return names, weight
+        return None
 
     def nbytes(self) -> int:
-        total = sum(c.buffer.size for w in self.matrices.values() for c in w.chunks)
-        return total + sum(v.buffer.size for v in self.vectors.values())
+        buffers = {id(c.buffer): c.buffer.size for w in self.matrices.values() for c in w.chunks}
+        return sum(buffers.values()) + sum(v.buffer.size for v in self.vectors.values())
 
 
 def _host_dense(w: torch.Tensor) -> tuple[np.ndarray, str]:
     fmt = DENSE_FORMATS[str(w.dtype).removeprefix("torch.")]
-    w = w.detach().contiguous()
+    w = w.detach().cpu().contiguous()
     if fmt == "bf16":  # numpy has no bfloat16: keep the 16-bit patterns as they are
         return w.view(torch.int16).numpy().view(np.uint16), fmt
     return w.numpy(), fmt
 
 
 def _vector(runtime: Runtime, w: torch.Tensor) -> DeviceArray:
-    return runtime.upload(w.detach().float().contiguous().numpy().reshape(-1))
+    return runtime.upload(w.detach().cpu().float().contiguous().numpy().reshape(-1))
+
+
+def _host_matrix(name: str, w: Any) -> tuple[np.ndarray, str]:
+    """A 2-D weight as host data in its stored format (bf16 as u16 patterns, GGUF as block bytes)."""
+    kind = weight_kind(w)
+    if isinstance(w, PackedWeight):
+        gguf_type = w.meta.get("type")
+        if w.layout != "gguf" or gguf_type not in GGUF_TYPES or "blocks" not in w.parts:
+            raise Unsupported(
+                Reason.QUANTIZATION,
+                f"{kind} (tensor {name})",
+                f"the vulkan backend computes from f32, f16, bf16 and GGUF {', '.join(GGUF_TYPES)}",
+            )
+        return w.parts["blocks"].detach().cpu().contiguous().numpy(), gguf_type
+    return _host_dense(w)
+
+
+def _groups(store: Any, names: list[str]) -> list[tuple[str, ...]]:
+    """The CONCATENATED groups present in full: same prefix, 2-D, one format, one row length."""
+    present = set(names)
+    found = []
+    for name in names:
+        for suffixes in CONCATENATED:
+            if not name.endswith(suffixes[0]):
+                continue
+            prefix = name[: -len(suffixes[0])]
+            group = tuple(prefix + s for s in suffixes)
+            if not all(n in present for n in group):
+                continue
+            ws = [store.get(n) for n in group]
+            if any(len(w.shape) != 2 for w in ws) or len({weight_kind(w) for w in ws}) != 1:
+                continue
+            if len({int(w.shape[1]) for w in ws}) == 1:
+                found.append(group)
+    return found
 
 
 def upload_store(runtime: Runtime, store: Any) -> DeviceWeights:
     out = DeviceWeights()
-    for name in store.names():
+    names = list(store.names())
+    grouped: set[str] = set()
+    for group in _groups(store, names):
+        parts = [_host_matrix(n, store.get(n)) for n in group]
+        fmt = parts[0][1]
+        rows = [int(store.get(n).shape[0]) for n in group]
+        data = np.concatenate([p[0].reshape(r, -1) for p, r in zip(parts, rows, strict=True)])
+        del parts
+        whole = upload_weight(runtime, data, fmt, (sum(rows), int(store.get(group[0]).shape[1])))
+        out.concatenated[group] = whole
+        at = 0
+        for name, r in zip(group, rows, strict=True):
+            out.matrices[name] = row_range(whole, at, at + r)
+            at += r
+        grouped.update(group)
+    for name in names:
+        if name in grouped:
+            continue
         w = store.get(name)
         kind = weight_kind(w)
         if isinstance(w, PackedWeight):
-            gguf_type = w.meta.get("type")
-            if w.layout != "gguf" or gguf_type not in GGUF_TYPES or "blocks" not in w.parts:
-                raise Unsupported(
-                    Reason.QUANTIZATION,
-                    f"{kind} (tensor {name})",
-                    f"the vulkan backend computes from f32, f16, bf16 and GGUF {', '.join(GGUF_TYPES)}",
-                )
-            blocks = w.parts["blocks"].detach().contiguous().numpy()
-            out.matrices[name] = upload_weight(runtime, blocks, gguf_type, (w.shape[0], w.shape[1]))
+            data, gguf_type = _host_matrix(name, w)
+            out.matrices[name] = upload_weight(runtime, data, gguf_type, (w.shape[0], w.shape[1]))
             continue
         if kind not in DENSE_FORMATS:
             raise Unsupported(

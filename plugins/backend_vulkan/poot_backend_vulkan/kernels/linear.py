@@ -39,7 +39,7 @@ def linear(
     for chunk in weight.chunks:
         gx = min(chunk.rows, MAX_GROUPS)
         gz = -(-chunk.rows // gx)
-        params = pack_params(chunk.rows, weight.cols, chunk.row_start, weight.rows, tokens)
+        params = pack_params(chunk.rows, weight.cols, chunk.row_start, weight.rows, tokens, chunk.first_row)
         buffers = [chunk.buffer, x.buffer, out.buffer] + ([] if bias is None else [bias.buffer])
         batch.dispatch(pipeline, buffers, params, (gx, token_groups, gz))
 
@@ -48,18 +48,25 @@ def gemv(
     batch: Batch,
     x: DeviceArray,
     weight: DeviceWeight,
-    out: DeviceArray,
+    out: DeviceArray | list[DeviceArray],
     bias: DeviceArray | None = None,
     subgroups: bool | None = None,
 ) -> None:
     """out[N] = W[N, K] @ x[K] (+ bias) for one token of dense weights, read as 16-byte words (gemv.wgsl).
 
+    `out` may be a list of up to three arrays whose sizes add up to N: consecutive row ranges of W go to
+    each (a q/k/v or gate/up concatenation in one dispatch; no bias then).
     subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes)."""
     per_word = GEMV_FORMATS.get(weight.fmt.name)
     if per_word is None or weight.cols % per_word:
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
+    outs = list(out) if isinstance(out, list) else [out]
+    if not 1 <= len(outs) <= 3 or (len(outs) > 1 and bias is not None):
+        raise Unsupported(Reason.SHAPE, "gemv", "one to three outputs, a bias only with one")
     check("gemv.x", x, (1, weight.cols))
-    check("gemv.out", out, (1, weight.rows))
+    sizes = [o.size for o in outs]
+    if sum(sizes) != weight.rows:
+        raise Unsupported(Reason.SHAPE, "gemv.out", f"outputs of {sizes} values for {weight.rows} rows")
     if bias is not None:
         check("gemv.bias", bias, (weight.rows,))
     use_subgroups = batch.runtime.gemv_subgroups if subgroups is None else subgroups
@@ -67,13 +74,21 @@ def gemv(
         raise Unsupported(Reason.OPERATION, "gemv subgroups", "the device has no subgroup feature")
     flag = "SUBGROUP" if use_subgroups else "TREE"
     source = shader_source("gemv", f"gemv_{weight.fmt.name}").replace(f"//{flag} ", "")
+    variant = flag
     if bias is not None:
-        source = source.replace("//BIAS ", "")
-    variant = flag + (":bias" if bias is not None else "")
+        source, variant = source.replace("//BIAS ", ""), variant + ":bias"
+    split1 = sizes[0] if len(outs) > 1 else weight.rows
+    split2 = sizes[0] + sizes[1] if len(outs) > 2 else weight.rows  # past every row: no third output
+    if len(outs) > 1:
+        source, variant = source.replace("//SPLIT ", ""), variant + ":split"
+        if len(outs) == 2:  # the third binding exists in the shader; a scratch word stands in
+            outs.append(DeviceArray(batch.runtime.scratch("gemv_unused", 16), (4,)))
     pipeline = batch.runtime.pipeline(f"gemv:{weight.fmt.name}", source, variant)
+    extra = [] if bias is None else [bias.buffer]
+    extra += [o.buffer for o in outs[1:]]
     for chunk in weight.chunks:
-        params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row)
-        buffers = [chunk.buffer, x.buffer, out.buffer] + ([] if bias is None else [bias.buffer])
+        params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row, split1, split2)
+        buffers = [chunk.buffer, x.buffer, outs[0].buffer, *extra]
         batch.dispatch(pipeline, buffers, params, grid_1d(-(-chunk.rows // _GEMV_ROWS)))
 
 

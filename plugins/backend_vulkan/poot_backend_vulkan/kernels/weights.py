@@ -101,3 +101,13 @@ def upload_weight(runtime: Runtime, data: np.ndarray, fmt: str, shape: tuple[int
         for start in range(0, rows, rows_per_chunk)
     ]
     return DeviceWeight(form, rows, cols, chunks)
+
+
+def row_range(weight: DeviceWeight, start: int, stop: int) -> DeviceWeight:
+    """Rows start..stop of `weight` as a matrix of its own, sharing its buffers (no copy)."""
+    chunks = []
+    for chunk in weight.chunks:
+        lo, hi = max(start, chunk.row_start), min(stop, chunk.row_start + chunk.rows)
+        if lo < hi:
+            chunks.append(WeightChunk(lo - start, hi - lo, chunk.buffer, chunk.first_row + lo - chunk.row_start))
+    return DeviceWeight(weight.fmt, stop - start, weight.cols, chunks)

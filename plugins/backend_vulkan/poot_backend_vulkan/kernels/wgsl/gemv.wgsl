@@ -3,12 +3,16 @@
 // so each step of the 64 threads is 1 KiB of one row, contiguous. Four words are loaded before any is
 // used (independent loads in flight). The 64 partial sums of a row are added with subgroupAdd where the
 // device has subgroups of at most 64 lanes (SUBGROUP lines), else by a tree in workgroup memory (TREE).
+// The SPLIT variant writes a concatenation's rows to up to three outputs (rows from split1 on to y2, from
+// split2 on to y3), so q/k/v or gate/up come out of one dispatch in their own buffers.
 // `gemv_<fmt>.wgsl` supplies PER_WORD (values per 16-byte word) and word_dot(word, index).
 struct Params {
     rows: u32,
     cols: u32,
     row_offset: u32,
     first_row: u32,
+    split1: u32,
+    split2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -16,6 +20,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 //BIAS @group(0) @binding(4) var<storage, read> bias: array<f32>;
+//SPLIT @group(0) @binding(4) var<storage, read_write> y2: array<f32>;
+//SPLIT @group(0) @binding(5) var<storage, read_write> y3: array<f32>;
 
 const ROWS: u32 = 4u;
 const LANES: u32 = 64u;
@@ -70,7 +76,16 @@ fn main(
 //SUBGROUP }
     if (lane == 0u && row < p.rows) {
         var value = total;
-        //BIAS value += bias[p.row_offset + row];
-        y[p.row_offset + row] = value;
+        let n = p.row_offset + row;
+        //BIAS value += bias[n];
+        //SPLIT if (n >= p.split2) {
+        //SPLIT     y3[n - p.split2] = value;
+        //SPLIT     return;
+        //SPLIT }
+        //SPLIT if (n >= p.split1) {
+        //SPLIT     y2[n - p.split1] = value;
+        //SPLIT     return;
+        //SPLIT }
+        y[n] = value;
     }
 }

@@ -8,6 +8,7 @@ struct Params {
     row_offset: u32,
     out_cols: u32,
     tokens: u32,
+    first_row: u32,  // the chunk's first row within its buffer (a matrix inside a concatenation)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -32,7 +33,7 @@ fn main(
     var vals: array<f32, 32>;
     if (row < p.rows) {
         for (var u = lid; u < units; u += 64u) {
-            decode_unit(row, u, &vals);
+            decode_unit(p.first_row + row, u, &vals);
             for (var tt = 0u; tt < TOKENS; tt++) {
                 let t = min(t0 + tt, p.tokens - 1u);
                 var s = 0.0;
