@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import tiny
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, StepShape, open_executor
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 # Longer than prefill_chunk (16) and than the sliding windows (8) of mistral and gemma3.
@@ -58,3 +58,22 @@ def test_rope_style_matters(tiny_checkpoint):
     handle.config().params.rope_style = "interleaved"
     driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16))
     assert tiny.rel_error(driver.logits(PROMPT), tiny.reference_logits(path, PROMPT)) > 1e-2
+
+
+def test_back_to_back_weights_are_joined_without_copies(tiny_checkpoint, monkeypatch):
+    """gate/up (and q/v) stored back to back become one product over a view of the same memory; the logits
+    are those of separate products."""
+    from poot_core.cpu import fusion
+
+    path = tiny_checkpoint("qwen3", torch.bfloat16)
+    handle = ModelHandle.load(path)
+    weights = open_executor("cpu").upload(handle.store())
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16))
+    graph_nodes = driver.program(StepShape(1, 1, 64)).graph.nodes
+    groups = fusion.adjacent_groups(graph_nodes, weights)
+    joined = {graph_nodes[i].inputs[1] for g in groups for i in g}
+    assert any("gate_proj" in n for n in joined) and any("up_proj" in n for n in joined)
+    fused = driver.logits(PROMPT)
+    monkeypatch.setattr(fusion, "adjacent_groups", lambda nodes, weights: [])
+    plain = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16)).logits(PROMPT)
+    assert abs(fused - plain).max() <= 1e-6 * abs(plain).max()

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
-from poot_core.cpu import ops
+from poot_core.cpu import fusion, ops
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, require_ops
 from poot_core.graph import Graph, Node
@@ -31,7 +31,16 @@ StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
 class CpuProgram:
     def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
         self.graph = graph
-        self._steps = [(node.output, _bind(node, weights)) for node in graph.nodes]
+        bound: dict[int, StepFn] = {}
+        for group in fusion.adjacent_groups(graph.nodes, weights):
+            runner = graph.nodes[min(group)]
+            source = graph.nodes[group[0]].inputs[0]
+            bound[min(group)] = fusion.bind_group([graph.nodes[i] for i in group], runner, weights,
+                                                  lambda e, s, name=source: e[name])
+            for i in group:
+                if i != min(group):  # computed by the group's runner already
+                    bound[i] = lambda e, s, out=graph.nodes[i].output: e[out]
+        self._steps = [(node.output, bound.get(i) or _bind(node, weights)) for i, node in enumerate(graph.nodes)]
         # After each step, the values no later step reads: dropping them lets torch reuse their memory.
         last_read: dict[str, int] = {}
         for i, node in enumerate(graph.nodes):
