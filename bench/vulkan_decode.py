@@ -1,0 +1,306 @@
+"""Vulkan decode beside the CUDA backend and the copy-bandwidth floor, batch 1, random bf16 weights.
+
+Two shapes: SmolLM2-135M (untied head, so the head is its own matrix as in the 8B) and Llama-3-8B. The same
+weights (bench/gpu_decode.GpuStore, seed 0) go to each executor; both decode greedily on the device through the
+same loop (prefill the prompt, then one token per step, 4 bytes read back a step). Reported per backend: decode
+tok/s, the bytes a step reads (every weight but the embedding table, plus the mean KV read) times tok/s as
+achieved GB/s, and that as a fraction of the measured device-to-device copy bandwidth (read + write counted).
+For Vulkan also: the device time of one step alone (many recorded steps submitted back to back), the host time
+to encode one step, the dispatches per step, and a GEMV sweep over the 8B projection shapes (weights rotated
+past the L2) so the step time can be split into matmul and the rest.
+
+    python bench/vulkan_decode.py --out results.json [--models smollm2,llama8b] [--no-cuda] [--layers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backend_vulkan"))
+
+from gpu_decode import HF_LLAMA3_8B, llama_shapes  # noqa: E402
+
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+MODELS = {"smollm2": SMOLLM2_135M, "llama8b": HF_LLAMA3_8B}
+
+
+def log(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+class RandomStore:
+    """bf16 weights N(0, 0.02) (norm scales 1), made on the GPU when there is one, seeded per run so every
+    executor gets the same values."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.w: dict[str, torch.Tensor] = {}
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device=device)
+            else:
+                t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+                self.w[name] = t.normal_(0.0, 0.02, generator=gen)
+
+    def names(self) -> list[str]:
+        return list(self.w)
+
+    def get(self, name: str) -> Any:
+        return self.w[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(w.shape) for n, w in self.w.items()}
+
+
+def gpu_copy_bandwidth() -> float:
+    """Bytes read plus written per second of a 2 GiB device-to-device copy through torch (CUDA events)."""
+    from gpu_decode import copy_bandwidth
+
+    return copy_bandwidth() * 1e9
+
+
+def step_bytes(hf: dict[str, Any], weight_bytes: int, prompt: int, new: int) -> float:
+    """Bytes one decode step reads: every weight but the embedding table (a gather), plus the mean KV read."""
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    kv = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 2 * (prompt + new / 2)
+    return weight_bytes - hf["vocab_size"] * hf["hidden_size"] * 2 + kv
+
+
+def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: float) -> dict[str, Any]:
+    from poot_core import StepShape, Tracer, open_executor
+    from poot_family_llama.plugin import DenseDecoder
+
+    family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
+    config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    ex = open_executor(backend)
+    store = RandomStore(llama_shapes(hf))
+    shapes = store.shapes()
+    t0 = time.perf_counter()
+    weights = ex.upload(store)
+    upload_s = time.perf_counter() - t0
+    del store
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    weight_bytes = weights.nbytes()
+    capacity = prompt + new
+
+    def program(tokens: int) -> tuple[Any, Any]:
+        shape = StepShape(1, tokens, capacity)
+        t = Tracer(shape, shapes)
+        family.trace(config, t, shape)
+        return ex.prepare(t.graph, weights), t.graph
+
+    pre, graph = program(prompt)
+    dec, _ = program(1)
+    state = ex.allocate_state(graph)
+    ids = np.random.default_rng(0).integers(0, hf["vocab_size"], prompt)
+
+    def generate() -> tuple[float, float, list[int]]:
+        t0 = time.perf_counter()
+        out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
+        token = ex.greedy_token(out)
+        t1 = time.perf_counter()
+        tokens = [token]
+        for step in range(new - 1):
+            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
+            token = ex.greedy_token(out)
+            tokens.append(token)
+        return t1 - t0, time.perf_counter() - t1, tokens
+
+    generate()  # compiles and records
+    runs = [generate() for _ in range(3)]
+    decode_s = statistics.median(r[1] for r in runs)
+    tok_s = (new - 1) / decode_s
+    nbytes = step_bytes(hf, weight_bytes, prompt, new)
+    result: dict[str, Any] = {
+        "backend": backend,
+        "weight_GB": weight_bytes / 1e9,
+        "step_GB": nbytes / 1e9,
+        "upload_s": upload_s,
+        "prefill_tokens": prompt,
+        "prefill_s": statistics.median(r[0] for r in runs),
+        "decode_tok_s": tok_s,
+        "decode_ms_per_token": 1e3 / tok_s,
+        "achieved_GBps": nbytes * tok_s / 1e9,
+        "floor_tok_s": bandwidth / nbytes,
+        "fraction_of_copy_bandwidth": nbytes * tok_s / bandwidth,
+        "tokens_deterministic": runs[0][2] == runs[1][2],
+        "tokens": runs[0][2],
+    }
+    if backend == "vulkan":
+        result.update(vulkan_step_profile(ex, dec, state, prompt + new // 2, nbytes))
+    return result
+
+
+def vulkan_step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, nbytes: float) -> dict[str, Any]:
+    """The device time of one recorded decode step (40 submitted back to back, one wait) and the host time to
+    encode one step's command buffer."""
+    runtime = ex.runtime
+    slots = {name: array.buffer for name, array in state.items()}
+    encode = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dec.step.command_buffer(slots)
+        encode.append(time.perf_counter() - t0)
+    dec.step.write_uniforms(position)
+    probe = dec.ids.buffer if dec.ids is not None else dec.outputs[0].buffer
+    times = []
+    for _ in range(3):
+        buffers = [dec.step.command_buffer(slots) for _ in range(40)]
+        runtime.device.queue.read_buffer(probe, 0, 4)  # idle before timing
+        t0 = time.perf_counter()
+        runtime.device.queue.submit(buffers)
+        runtime.device.queue.read_buffer(probe, 0, 4)
+        times.append((time.perf_counter() - t0) / 40)
+    step_s = min(times)
+    return {
+        "dispatches_per_step": dec.step.dispatch_count,
+        "host_encode_ms": 1e3 * statistics.median(encode),
+        "device_step_ms": 1e3 * step_s,
+        "device_step_GBps": nbytes / step_s / 1e9,
+        "adapter": runtime.adapter.info.get("device", "?"),
+        "gemv_subgroups": runtime.gemv_subgroups,
+    }
+
+
+def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
+    """Each projection shape of the model through the one-token bf16 GEMV, weights rotated past the L2."""
+    from poot_backend_vulkan.kernels.linear import gemv
+    from poot_backend_vulkan.kernels.runtime import Runtime
+    from poot_backend_vulkan.kernels.weights import upload_weight
+
+    rt = Runtime()
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
+    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (v, d)}
+    report = {}
+    for label, (n, k) in shapes.items():
+        copies = max(1, int(240e6 // (n * k * 2)))
+        data = np.full((n, k), 0x3C23, dtype=np.uint16)  # the values do not change the time
+        ws = [upload_weight(rt, data, "bf16", (n, k)) for _ in range(copies)]
+        x = rt.upload(np.ones((1, k), dtype=np.float32))
+        out = rt.empty((1, n))
+        reps = max(20, 3 * copies)
+        for _attempt in range(2):  # the first compiles
+            batch = rt.batch()
+            for i in range(reps):
+                gemv(batch, x, ws[i % copies], out)
+            rt.read(out)
+            t0 = time.perf_counter()
+            batch.submit()
+            rt.read(out)
+            seconds = (time.perf_counter() - t0) / reps
+        nbytes = n * k * 2
+        report[label] = {
+            "n": n,
+            "k": k,
+            "us": seconds * 1e6,
+            "GBps": nbytes / seconds / 1e9,
+            "floor_us": nbytes / bandwidth * 1e6,
+        }
+        log(f"  vulkan gemv {label:8s} n={n:6d} k={k:5d}: {seconds * 1e6:8.1f} us {nbytes / seconds / 1e9:6.0f} GB/s")
+        del ws
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default="smollm2,llama8b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--no-cuda", action="store_true")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    if torch.cuda.is_available():
+        bandwidth, how = gpu_copy_bandwidth(), "torch device-to-device copy"
+    else:
+        from common import copy_bandwidth
+
+        bandwidth, how = copy_bandwidth(), "torch host memory copy"
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
+    payload: dict[str, Any] = {
+        "copy_GBps": bandwidth / 1e9,
+        "copy_how": how,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+        "weights": "random bf16, N(0, 0.02), seed 0, the same for every backend",
+        "models": {},
+    }
+    if torch.cuda.is_available():
+        payload["device"] = torch.cuda.get_device_name()
+    for key in args.models.split(","):
+        hf = dict(MODELS[key])
+        if args.layers:
+            hf["num_hidden_layers"] = args.layers
+        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"]}
+        for backend in ["vulkan"] + (["cuda"] if cuda else []):
+            log(f"{key}: {backend} ...")
+            try:
+                entry[backend] = decode_run(backend, hf, args.prompt, args.new, bandwidth)
+            except Exception as error:  # one backend failing still reports the other
+                entry[backend] = {"error": f"{type(error).__name__}: {error}"}
+            shown = {k: v for k, v in entry[backend].items() if k != "tokens"}
+            log(f"  {json.dumps(shown)}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if "tokens" in entry.get("vulkan", {}) and "tokens" in entry.get("cuda", {}):
+            a, b = entry["vulkan"]["tokens"], entry["cuda"]["tokens"]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            entry["greedy_tokens_equal_prefix"] = same
+        if key == "llama8b":
+            entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
+        payload["models"][key] = entry
+    text = json.dumps(payload, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        from common import write
+
+        log(f"wrote {write('vulkan_decode', payload)}")
+    log("\n=== summary (batch 1) ===")
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for key, entry in payload["models"].items():
+        for backend in ("vulkan", "cuda"):
+            r = entry.get(backend)
+            if not r or "error" in r:
+                log(f"{key:8s} {backend:6s}: {r}")
+                continue
+            extra = ""
+            if backend == "vulkan":
+                extra = (
+                    f", step on device {r['device_step_ms']:.2f} ms ({r['device_step_GBps']:.0f} GB/s), "
+                    f"host encode {r['host_encode_ms']:.2f} ms, {r['dispatches_per_step']} dispatches"
+                )
+            log(
+                f"{key:8s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
+                f"({100 * r['fraction_of_copy_bandwidth']:.0f}% of copy){extra}"
+            )
+
+
+if __name__ == "__main__":
+    main()
