@@ -121,3 +121,38 @@ def test_sampler_rejects_bad_settings():
     for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"min_p": 2.0}, {"top_k": -1}, {"repeat_penalty": 0}):
         with pytest.raises(RequestError):
             Sampler(**kwargs)
+
+
+def test_each_step_shape_is_traced_and_prepared_once(driver, monkeypatch):
+    from poot_core.cpu.executor import CpuExecutor
+
+    fresh = Driver(driver.handle, open_executor("cpu"), DriverOptions(capacity=96, prefill_chunk=8, max_programs=3))
+    prepared = []
+    original = CpuExecutor.prepare
+    monkeypatch.setattr(CpuExecutor, "prepare", lambda self, g, w: prepared.append(g.shape) or original(self, g, w))
+    fresh.serve()
+    fresh.generate(GenerateRequest(PROMPT, max_new=6, ignore_eos=True))  # chunks of 8 (x3), then decode steps
+    fresh.generate(GenerateRequest(PROMPT[:8], max_new=6, ignore_eos=True))
+    assert len(prepared) == len(set(prepared)) == 2  # the decode step and the 8-token chunk, once each
+    for n in (1, 2, 3, 4, 5):  # more shapes than max_programs: the oldest are dropped, the cache stays bounded
+        fresh.logits(PROMPT[:n])
+    assert len(fresh._programs) <= 3
+
+
+def test_an_op_the_executor_cannot_run_is_refused_before_any_work(driver):
+    from poot_core import Reason, Unsupported
+
+    class Strange(type(driver.family)):
+        def trace(self, config, t, shape):
+            tokens = t.input("tokens", (shape.rows, shape.tokens))
+            t.output(t.op("warp_drive", (tokens,), (shape.rows, shape.tokens)))
+
+    handle = driver.handle
+    original = handle.family
+    handle.family = Strange("strange", "llama", ("Strange",))
+    try:
+        with pytest.raises(Unsupported) as err:
+            Driver(handle, open_executor("cpu"), DriverOptions(capacity=32, prefill_chunk=8)).serve()
+        assert err.value.reason is Reason.OPERATION and err.value.name == "warp_drive"
+    finally:
+        handle.family = original
