@@ -193,6 +193,10 @@ class CpuExecutor:
                 raise Unsupported(Reason.QUANTIZATION, f"{kind} (tensor {name})",
                                   "the cpu backend cannot compute from this layout")
             weights[name] = w
+        if any(isinstance(w, PackedWeight) for w in weights.values()):
+            from poot_core.cpu.packed_linear import kernels
+
+            kernels()  # build (first time on this machine) or load the C kernels now, not inside the first step
         return weights
 
     def prepare(self, graph: Graph, weights: dict[str, Weight]) -> CpuProgram:
