@@ -102,23 +102,29 @@ class Driver:
         self.layout: Layout | None = None
 
     # --- programs -------------------------------------------------------------------------------------
-    def program(self, shape: StepShape) -> Any:
-        prog = self._programs.get(shape)
-        if prog is not None:
-            self._programs.move_to_end(shape)
-            return prog
+    def _trace(self, shape: StepShape) -> Any:
+        """The family's graph for one step shape; a weight the family needs and the checkpoint lacks is a
+        typed refusal."""
         tracer = Tracer(shape, self._shapes)
         try:
             self.family.trace(self.config, tracer, shape)
         except KeyError as exc:
             raise Unsupported(Reason.SHAPE, f"{self.family.name} step {shape}",
                               f"the checkpoint lacks weight {exc.args[0]}") from exc
-        prog = self.executor.prepare(tracer.graph, self.weights)
+        return tracer.graph
+
+    def program(self, shape: StepShape) -> Any:
+        prog = self._programs.get(shape)
+        if prog is not None:
+            self._programs.move_to_end(shape)
+            return prog
+        graph = self._trace(shape)
+        prog = self.executor.prepare(graph, self.weights)
         self._programs[shape] = prog
         while len(self._programs) > self.options.max_programs:
             self._programs.popitem(last=False)
         if shape.rows not in self._state:
-            self._state[shape.rows] = self.executor.allocate_state(tracer.graph)
+            self._state[shape.rows] = self.executor.allocate_state(graph)
         return prog
 
     def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver:
@@ -260,14 +266,8 @@ class Driver:
         shape = StepShape(rows, longest, longest, hidden=True)
         if shape in programs:
             return
-        tracer = Tracer(shape, self._shapes)
-        try:
-            self.family.trace(self.config, tracer, shape)
-        except KeyError as exc:
-            raise Unsupported(Reason.SHAPE, f"{self.family.name} step {shape}",
-                              f"the checkpoint lacks weight {exc.args[0]}") from exc
-        prog = self.executor.prepare(tracer.graph, self.weights)
-        programs[shape] = (prog, tracer.graph, self.executor.allocate_state(tracer.graph))
+        graph = self._trace(shape)
+        programs[shape] = (self.executor.prepare(graph, self.weights), graph, self.executor.allocate_state(graph))
 
     def encode(self, token_rows: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
         """float32 [len(row), D] per row: the final hidden state of every position. Runs the smallest
