@@ -13,7 +13,6 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,65 +39,11 @@ def _vocab_names() -> list[str]:
 
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
-    """A GGUF file's key/value metadata as plain Python values (arrays as lists), as GGUFReader decodes it."""
-    try:
-        from poot_core.checkpoint.gguf_file import GGUFFile  # poot's own reader, once it exists
-    except ImportError:
-        return _read_metadata(path.read_bytes())
+    """A GGUF file's key/value metadata as plain Python values (arrays as lists), read by poot's own reader
+    (test_metadata_reader_agrees_with_gguf checks it against gguf.GGUFReader)."""
+    from poot_core.checkpoint.gguf_file import GGUFFile
+
     return dict(GGUFFile.open(path).metadata)
-
-
-# GGUF value types: numeric ones as numpy dtypes; 7 bool, 8 string, 9 array.
-_NUMERIC = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
-
-
-def _read_metadata(data: bytes) -> dict[str, Any]:
-    """The metadata section of a GGUF file, read straight from the published layout.
-
-    gguf.GGUFReader decodes the same values but needs seconds per 100k-token vocabulary; the test
-    checks this reader against it on one file (test_metadata_reader_agrees_with_gguf).
-    """
-    pos = 0
-
-    def take(n: int) -> bytes:
-        nonlocal pos
-        pos += n
-        return data[pos - n : pos]
-
-    def number(kind: int) -> Any:
-        dtype = np.dtype(_NUMERIC[kind])
-        return np.frombuffer(take(dtype.itemsize), dtype)[0].item()
-
-    def string() -> str:
-        return take(number(10)).decode("utf-8")
-
-    def value(kind: int) -> Any:
-        if kind == 7:
-            return take(1) != b"\0"
-        if kind == 8:
-            return string()
-        if kind == 9:
-            item_kind, count = number(4), number(10)
-            if item_kind in _NUMERIC:
-                dtype = np.dtype(_NUMERIC[item_kind])
-                return np.frombuffer(take(dtype.itemsize * count), dtype).tolist()
-            return [value(item_kind) for _ in range(count)]
-        return number(kind)
-
-    assert take(4) == b"GGUF"
-    _version, _n_tensors, n_kv = number(4), number(10), number(10)
-    return {string(): value(number(4)) for _ in range(n_kv)}
 
 
 @functools.cache
