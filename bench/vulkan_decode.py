@@ -175,7 +175,9 @@ def vulkan_step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int,
         runtime.device.queue.read_buffer(probe, 0, 4)
         times.append((time.perf_counter() - t0) / 40)
     step_s = min(times)
+    by_kernel = kernel_profile(runtime, dec.step.bind(slots), probe)
     return {
+        "kernels": by_kernel,
         "dispatches_per_step": dec.step.dispatch_count,
         "host_encode_ms": 1e3 * statistics.median(encode),
         "device_step_ms": 1e3 * step_s,
@@ -183,6 +185,37 @@ def vulkan_step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int,
         "adapter": runtime.adapter.info.get("device", "?"),
         "gemv_subgroups": runtime.gemv_subgroups,
     }
+
+
+def kernel_profile(runtime: Any, bound: list[tuple[Any, Any, Any]], probe: Any) -> dict[str, Any]:
+    """Device ms per step of each kind of kernel (by pipeline label): the step's dispatches of that kind alone,
+    20 steps' worth submitted back to back. The kinds' times add up to about the whole step."""
+    kinds: dict[str, list[tuple[Any, Any, Any]]] = {}
+    for item in bound:
+        kinds.setdefault(str(item[0].label).split(":")[0], []).append(item)
+    report = {}
+    for kind, items in kinds.items():
+
+        def encoded(items=items) -> Any:
+            encoder = runtime.device.create_command_encoder()
+            compute = encoder.begin_compute_pass()
+            for pipeline, group, grid in items:
+                compute.set_pipeline(pipeline)
+                compute.set_bind_group(0, group)
+                compute.dispatch_workgroups(*grid)
+            compute.end()
+            return encoder.finish()
+
+        best = float("inf")
+        for _ in range(2):
+            buffers = [encoded() for _ in range(20)]
+            runtime.device.queue.read_buffer(probe, 0, 4)
+            t0 = time.perf_counter()
+            runtime.device.queue.submit(buffers)
+            runtime.device.queue.read_buffer(probe, 0, 4)
+            best = min(best, (time.perf_counter() - t0) / 20)
+        report[kind] = {"dispatches": len(items), "ms": best * 1e3, "us_per_dispatch": best * 1e6 / len(items)}
+    return report
 
 
 def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
@@ -296,6 +329,8 @@ def main() -> None:
                     f", step on device {r['device_step_ms']:.2f} ms ({r['device_step_GBps']:.0f} GB/s), "
                     f"host encode {r['host_encode_ms']:.2f} ms, {r['dispatches_per_step']} dispatches"
                 )
+                kernels = ", ".join(f"{k} {v['ms']:.2f} ms/{v['dispatches']}" for k, v in r["kernels"].items())
+                extra += f"\n{'':17s}per kernel: {kernels}"
             log(
                 f"{key:8s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
                 f"({100 * r['fraction_of_copy_bandwidth']:.0f}% of copy){extra}"

@@ -9,7 +9,7 @@ from .shapes import check
 
 
 def _variant(batch: Batch, name: str, flag: str, enabled: bool):
-    source = shader_source("reduce", name)
+    source = shader_source(name) if name.endswith("_wide") else shader_source("reduce", name)
     if enabled:
         source = source.replace(f"//{flag} ", "")
     return batch.runtime.pipeline(name, source, flag if enabled else "")
@@ -43,7 +43,7 @@ def rms_norm(
         check("rms_norm.residual", residual, (rows, cols))
         check("rms_norm.residual_out", residual_out, (rows, cols))
         buffers += [residual.buffer, residual_out.buffer]
-    pipeline = _variant(batch, "rms_norm", "FUSED", fused)
+    pipeline = _variant(batch, "rms_norm_wide" if cols % 4 == 0 else "rms_norm", "FUSED", fused)
     batch.dispatch(pipeline, buffers, pack_params(cols, float(eps), float(weight_offset)), (rows, 1, 1))
 
 

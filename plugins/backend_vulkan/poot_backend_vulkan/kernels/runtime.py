@@ -87,6 +87,8 @@ class Runtime:
         # subgroupAdd reductions assume a subgroup fits within the 64 threads that share a row
         info = adapter.info
         widest = info.get("subgroup_max_size", info.get("stackgroup_max_size", 0)) or 0
+        if info.get("vendor_id") == 0x10DE:  # NVIDIA: subgroups are warps of 32 (wgpu reports a range)
+            widest = 32
         self.gemv_subgroups = self.has_subgroups and 0 < int(widest) <= 64
         device_binding = int(self.device.limits["max-storage-buffer-binding-size"])
         self.max_binding_bytes = min(device_binding, max_binding_bytes or device_binding)
