@@ -43,7 +43,7 @@ from poot_core.family import Family, ModelConfig
 from poot_core.graph import Graph, Node, StateSpec, StepShape, Tracer, Value
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
-from poot_core.rope import inverse_frequencies, rope_attention_factor
+from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_hf_config
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,8 @@ __all__ = [
     "IntegrityError", "Layout", "LoadOptions", "Manifest", "ModelConfig", "ModelHandle", "Node", "PackedWeight",
     "PluginError", "PootError", "Program", "Reason", "Registry", "RequestError", "Sampler", "StateSpec",
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
-    "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "open_executor",
+    "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
+    "open_executor",
     "require_ops", "weight_kind",
     "CrossEncoder", "SentenceEncoder",
 ]

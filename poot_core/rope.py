@@ -74,3 +74,31 @@ def rope_attention_factor(scaling: dict[str, Any]) -> float:
     factor = scaling["factor"]
     m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+SCALINGS = ("linear", "llama3", "yarn")
+
+
+def rope_from_hf_config(hf: dict[str, Any], layer_type: str = "full_attention") -> tuple[float, dict[str, Any]]:
+    """(theta, scaling) of one layer type of a Hugging Face config: transformers 5's `rope_parameters` (flat,
+    or one entry per layer type as gemma3 has), or the older `rope_theta` / `rope_scaling` /
+    `rope_local_base_freq`. The default rope gives an empty scaling; one poot cannot compute is refused here,
+    before any work."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+            theta, scaling = float(hf["rope_local_base_freq"]), {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return theta, {}
+    if kind not in SCALINGS:
+        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", f"{hf.get('model_type')} config; "
+                          f"poot computes {', '.join(SCALINGS)}")
+    return theta, scaling

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from poot_core import CheckpointError, ModelConfig
+from poot_core import CheckpointError, ModelConfig, rope_from_hf_config
 
 
 @dataclass
@@ -46,24 +46,6 @@ def _need(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
-def _rope_for(hf: dict[str, Any], layer_type: str) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling) for one layer type, from transformers 5's rope_parameters or the older keys."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and layer_type in params and isinstance(params[layer_type], dict):
-        params = params[layer_type]
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
-        if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
-            theta, scaling = float(hf["rope_local_base_freq"]), {}
-    if (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
-        scaling = {}
-    return theta, scaling
-
-
 def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
     layers = int(_need(hf, "num_hidden_layers"))
     hidden = int(_need(hf, "hidden_size"))
@@ -86,7 +68,7 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
             types = ["full_attention"] * layers
     if model_type == "qwen2" and not hf.get("use_sliding_window"):
         types = ["full_attention"] * layers  # qwen2 ignores its sliding_window unless use_sliding_window
-    ropes = [_rope_for(hf, t) for t in types]
+    ropes = [rope_from_hf_config(hf, t) for t in types]
     act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act_name not in ACTIVATIONS:
         from poot_core import Reason, Unsupported

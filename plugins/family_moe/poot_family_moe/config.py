@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from poot_core import CheckpointError, Reason, Unsupported
+from poot_core import CheckpointError, Reason, Unsupported, rope_from_hf_config
 
 
 @dataclass
@@ -67,22 +67,6 @@ def _need(hf: dict[str, Any], key: str) -> Any:
     if hf.get(key) is None:
         raise CheckpointError("config.json", f"missing key {key!r}")
     return hf[key]
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return theta, {}
-    if kind not in ("linear", "llama3", "yarn"):
-        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", f"{hf.get('model_type')} config")
-    return theta, scaling
 
 
 def _yarn_softmax_factor(scaling: dict[str, Any]) -> float:
@@ -169,7 +153,7 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> MoeParams:
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise Unsupported(Reason.OPERATION, f"activation {act}", f"{model_type} config")
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_from_hf_config(hf)
     latent = None
     head_dim = int(hf.get("head_dim") or hidden // heads)
     style = "neox"
