@@ -96,8 +96,11 @@ def test_linear_matches_dequantized_matmul(rt: Runtime, fmt: str) -> None:
         assert rel_err(rt.read(out), x.astype(np.float64) @ dense.T.astype(np.float64)) < BOUNDS[fmt]
 
 
-def _reductions(runtime: Runtime) -> list[bool]:
-    return [False, True] if runtime.has_subgroups else [False]
+def _reductions(runtime: Runtime) -> list[tuple[bool, bool]]:
+    """(subgroups, warp) of every GEMV reduction this device can run: the tree, subgroupAdd over 64 lanes,
+    a row per 32-lane subgroup (NVIDIA only: the one width known for certain)."""
+    found = [(False, False)] + ([(True, False)] if runtime.has_subgroups else [])
+    return found + ([(True, True)] if runtime.subgroup_width == 32 else [])
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
@@ -114,7 +117,7 @@ def test_gemv_matches_matmul_with_both_reductions(rt: Runtime, small_rt: Runtime
         bias = rng.standard_normal(rows).astype(np.float32)
         want = x.astype(np.float64) @ dense.T.astype(np.float64) + bias
         for subgroups in _reductions(runtime):
-            args = (runtime.upload(x), weight, runtime.empty((1, rows)), runtime.upload(bias), subgroups)
+            args = (runtime.upload(x), weight, runtime.empty((1, rows)), runtime.upload(bias), *subgroups)
             out = args[2]
             run(runtime, lambda batch, args=args: gemv(batch, *args))
             assert rel_err(runtime.read(out), want) < BOUNDS[fmt], subgroups
@@ -135,7 +138,7 @@ def test_gemv_writes_a_concatenation_to_its_parts(rt: Runtime, small_rt: Runtime
         weight = upload_weight(runtime, data, "bf16", (rows, cols))
         for subgroups in _reductions(runtime):
             outs = [runtime.empty((1, n)) for n in parts]
-            args = (runtime.upload(x), weight, outs, None, subgroups)
+            args = (runtime.upload(x), weight, outs, None, *subgroups)
             run(runtime, lambda batch, args=args: gemv(batch, *args))
             got = np.concatenate([runtime.read(o) for o in outs], axis=1)
             assert rel_err(got, want) < HALF

@@ -51,12 +51,14 @@ def gemv(
     out: DeviceArray | list[DeviceArray],
     bias: DeviceArray | None = None,
     subgroups: bool | None = None,
+    warp: bool | None = None,
 ) -> None:
     """out[N] = W[N, K] @ x[K] (+ bias) for one token of dense weights, read as 16-byte words (gemv.wgsl).
 
     `out` may be a list of up to three arrays whose sizes add up to N: consecutive row ranges of W go to
     each (a q/k/v or gate/up concatenation in one dispatch; no bias then).
-    subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes)."""
+    subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes); with
+    subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False."""
     per_word = GEMV_FORMATS.get(weight.fmt.name)
     if per_word is None or weight.cols % per_word:
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
@@ -72,8 +74,16 @@ def gemv(
     use_subgroups = batch.runtime.gemv_subgroups if subgroups is None else subgroups
     if use_subgroups and not batch.runtime.has_subgroups:
         raise Unsupported(Reason.OPERATION, "gemv subgroups", "the device has no subgroup feature")
-    flag = "SUBGROUP" if use_subgroups else "TREE"
+    use_warp = use_subgroups and (batch.runtime.subgroup_width == 32 if warp is None else warp)
+    if use_warp and batch.runtime.subgroup_width != 32:
+        raise Unsupported(Reason.OPERATION, "gemv warp", "the device's subgroups are not 32 lanes")
+    flag = "WARP" if use_warp else "SUBGROUP" if use_subgroups else "TREE"
     source = shader_source("gemv", f"gemv_{weight.fmt.name}").replace(f"//{flag} ", "")
+    rows_per_group = _GEMV_ROWS
+    if use_warp:
+        rows_per_group = 256 // 32
+        source = source.replace("const ROWS: u32 = 4u;", f"const ROWS: u32 = {rows_per_group}u;")
+        source = source.replace("const LANES: u32 = 64u;", "const LANES: u32 = 32u;")
     variant = flag
     if bias is not None:
         source, variant = source.replace("//BIAS ", ""), variant + ":bias"
@@ -89,7 +99,7 @@ def gemv(
     for chunk in weight.chunks:
         params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row, split1, split2)
         buffers = [chunk.buffer, x.buffer, outs[0].buffer, *extra]
-        batch.dispatch(pipeline, buffers, params, grid_1d(-(-chunk.rows // _GEMV_ROWS)))
+        batch.dispatch(pipeline, buffers, params, grid_1d(-(-chunk.rows // rows_per_group)))
 
 
 def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0) -> None:

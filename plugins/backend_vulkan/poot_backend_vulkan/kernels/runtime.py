@@ -87,8 +87,10 @@ class Runtime:
         # subgroupAdd reductions assume a subgroup fits within the 64 threads that share a row
         info = adapter.info
         widest = info.get("subgroup_max_size", info.get("stackgroup_max_size", 0)) or 0
-        if info.get("vendor_id") == 0x10DE:  # NVIDIA: subgroups are warps of 32 (wgpu reports a range)
-            widest = 32
+        # the one subgroup width known for certain (wgpu reports a range); 0 when not known
+        self.subgroup_width = 32 if self.has_subgroups and info.get("vendor_id") == 0x10DE else 0  # NVIDIA
+        if self.subgroup_width:
+            widest = self.subgroup_width
         self.gemv_subgroups = self.has_subgroups and 0 < int(widest) <= 64
         device_binding = int(self.device.limits["max-storage-buffer-binding-size"])
         self.max_binding_bytes = min(device_binding, max_binding_bytes or device_binding)

@@ -3,6 +3,8 @@
 // so each step of the 64 threads is 1 KiB of one row, contiguous. Four words are loaded before any is
 // used (independent loads in flight). The 64 partial sums of a row are added with subgroupAdd where the
 // device has subgroups of at most 64 lanes (SUBGROUP lines), else by a tree in workgroup memory (TREE).
+// WARP (subgroups of exactly 32, NVIDIA): 8 rows of 32 threads, each row one subgroup, summed by one
+// subgroupAdd with no workgroup memory and no barrier; linear.py rewrites ROWS and LANES for it.
 // The SPLIT variant writes a concatenation's rows to up to three outputs (rows from split1 on to y2, from
 // split2 on to y3), so q/k/v or gate/up come out of one dispatch in their own buffers.
 // `gemv_<fmt>.wgsl` supplies PER_WORD (values per 16-byte word) and word_dot(word, index).
@@ -35,7 +37,7 @@ fn main(
 //SUBGROUP @builtin(subgroup_size) sg_size: u32,
 //SUBGROUP @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
-    let lane = lid % LANES;
+    let lane = lid % LANES;  // (WARP: equal to the subgroup invocation id)
     let slot = lid / LANES;
     let row = (wid.y * groups.x + wid.x) * ROWS + slot;
     let words = p.cols / PER_WORD;
@@ -64,6 +66,7 @@ fn main(
 //TREE     workgroupBarrier();
 //TREE }
 //TREE let total = partial[slot * LANES];
+//WARP let total = subgroupAdd(acc);
 //SUBGROUP let summed = subgroupAdd(acc);
 //SUBGROUP if (sg_lane == 0u) {
 //SUBGROUP     partial[lid / sg_size] = summed;
