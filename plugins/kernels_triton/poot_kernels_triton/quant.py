@@ -196,19 +196,27 @@ def _q4k_gemv_kernel(
         sc1 = tl.where(low, a1 & 63, (c1_ & 0xF) | ((a1 >> 6) << 4)).to(tl.float32)
         mn0 = tl.where(low, b0 & 63, (c0_ >> 4) | ((b0 >> 6) << 4)).to(tl.float32)
         mn1 = tl.where(low, b1 & 63, (c1_ >> 4) | ((b1 >> 6) << 4)).to(tl.float32)
-        # byte t of word wi holds elements 4 * wi + t (low nibble) and 32 + 4 * wi + t (high nibble): the
-        # x values each half needs are 32 contiguous elements, loaded as [BLOCK_C, 8, 4]
-        t4 = tl.arange(0, 4)
-        xat = xrow + cc[:, None, None].to(tl.int64) * 64 + 4 * wi[None, :, None] + t4[None, None, :]
-        x_lo = tl.load(xat, mask=cmask[:, None, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(xat + 32, mask=cmask[:, None, None], other=0.0).to(tl.float32)
-        bytes_ = words[:, :, :, None] >> (8 * t4)[None, None, None, :]
-        q_lo = _small_int_f32(bytes_ & 0xF)
-        q_hi = _small_int_f32((bytes_ >> 4) & 0xF)
-        r_lo = tl.sum(tl.sum(q_lo * x_lo[None, :, :, :], axis=3), axis=2)
-        r_hi = tl.sum(tl.sum(q_hi * x_hi[None, :, :, :], axis=3), axis=2)
-        xs_lo = tl.sum(tl.sum(x_lo, axis=2), axis=1)[None, :]
-        xs_hi = tl.sum(tl.sum(x_hi, axis=2), axis=1)[None, :]
+        # nibble e of word wi: byte e // 2, low (even e) or high; element 32 * (e % 2) + 4 * wi + e // 2.
+        # (Measured on the H200: this gather of x, with int->float conversions, ran twice as fast as
+        # contiguous x runs over a 4-D [BLOCK_N, BLOCK_C, 8, 4] nibble tile.)
+        xat = xrow + cc[:, None].to(tl.int64) * 64 + 4 * wi[None, :]
+        p_lo = tl.zeros([BLOCK_N, BLOCK_C, 8], tl.float32)
+        p_hi = tl.zeros([BLOCK_N, BLOCK_C, 8], tl.float32)
+        x_lo = tl.zeros([BLOCK_C, 8], tl.float32)
+        x_hi = tl.zeros([BLOCK_C, 8], tl.float32)
+        for e in tl.static_range(8):
+            xe = tl.load(xat + (32 * (e % 2) + e // 2), mask=cmask[:, None], other=0.0).to(tl.float32)
+            q = ((words >> (4 * e)) & 0xF).to(tl.float32)
+            if e % 2 == 0:
+                p_lo += q * xe[None, :, :]
+                x_lo += xe
+            else:
+                p_hi += q * xe[None, :, :]
+                x_hi += xe
+        r_lo = tl.sum(p_lo, axis=2)
+        r_hi = tl.sum(p_hi, axis=2)
+        xs_lo = tl.sum(x_lo, axis=1)[None, :]
+        xs_hi = tl.sum(x_hi, axis=1)[None, :]
         acc += tl.sum(d * (sc0 * r_lo + sc1 * r_hi) - dmin * (mn0 * xs_lo + mn1 * xs_hi), axis=1)
     finish_split(acc, offs_n, nmask, b_ptr, o_ptr, o_stride, part_ptr, lock_ptr, n, n_tiles, split,
                  HAS_BIAS, SPLIT, BLOCK_N)  # fmt: skip
