@@ -47,7 +47,8 @@ VULKAN_OPS = frozenset(
 )
 GATED = ("silu", "gelu_tanh")
 ACTIVATIONS = ("silu", "gelu_tanh", "relu")
-DECODE_SPLIT = 256  # KV positions per workgroup of split-K decode attention
+DECODE_SPLIT = 32  # KV positions per workgroup of split-K decode attention (each thread of it takes a key)
+MAX_SPLITS = 64  # a long capacity gets longer splits rather than more of them
 
 
 @dataclass
@@ -371,7 +372,8 @@ class VulkanProgram:
         out_flat = _view(out, (tokens, heads, head_dim))
         a = node.attrs
         scale, window, softcap = float(a["scale"]), int(a.get("window") or 0), float(a.get("softcap") or 0.0)
-        splits = -(-capacity // DECODE_SPLIT)
+        split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
+        splits = -(-capacity // split_len)
 
         def emit(rec: Recorder, start: int) -> None:
             positional.kv_write(rec, k_new, k_cache, start)
@@ -387,7 +389,7 @@ class VulkanProgram:
                     scale=scale,
                     window=window,
                     softcap=softcap,
-                    split_len=DECODE_SPLIT,
+                    split_len=split_len,
                     splits=splits,
                 )
             else:

@@ -63,5 +63,8 @@ def argmax(batch: Batch, logits: DeviceArray, ids: DeviceArray) -> None:
     """ids[r] = argmax(logits[r, :]) as u32, lowest index on ties; logits is [rows, vocab]."""
     rows, cols = (1, logits.size) if len(logits.shape) == 1 else (logits.size // logits.shape[-1], logits.shape[-1])
     check("argmax.ids", ids, (rows,), "u32")
-    pipeline = batch.runtime.pipeline("argmax", shader_source("argmax"))
+    limit = int(batch.runtime.device.limits.get("max-compute-invocations-per-workgroup", 256))
+    width = 1024 if limit >= 1024 else 256  # a power of two for the tree; 256 is WebGPU's guaranteed floor
+    source = shader_source("argmax").replace("const WG: u32 = 64u;", f"const WG: u32 = {width}u;")
+    pipeline = batch.runtime.pipeline("argmax", source, str(width))
     batch.dispatch(pipeline, [logits.buffer, ids.buffer], pack_params(cols), (rows, 1, 1))
