@@ -15,6 +15,8 @@ def _validate(q: DeviceArray, k_cache: DeviceArray, heads: int, start: int, toke
     check("attention.q", q, (tokens, heads, head_dim))
     if head_dim > MAX_HEAD_DIM:
         raise Unsupported(Reason.SHAPE, "attention", f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
+    if head_dim % 4:  # keys are read as 16-byte words
+        raise Unsupported(Reason.SHAPE, "attention", f"head dim {head_dim} is not a multiple of 4")
     if heads % kv_heads:
         raise Unsupported(Reason.SHAPE, "attention", f"{heads} query heads over {kv_heads} KV heads")
     if start + tokens > capacity:

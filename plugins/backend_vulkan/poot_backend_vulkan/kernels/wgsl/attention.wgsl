@@ -19,7 +19,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(2) var<storage, read> k_cache: array<vec4<f32>>;  // 16-byte words (head_dim % 4 == 0)
 @group(0) @binding(3) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
@@ -27,7 +27,7 @@ struct Params {
 const MAX_DIM: u32 = 256u;  // head_dim limit: each thread owns head_dim / 64 output values
 const EMPTY: f32 = -3.0e38;  // below any finite score
 
-var<workgroup> q_tile: array<f32, 256>;
+var<workgroup> q_tile: array<vec4<f32>, 64>;
 var<workgroup> scores: array<f32, 64>;
 
 @compute @workgroup_size(64)
@@ -46,8 +46,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let end = min(pos + 1u, (split + 1u) * p.split_len);  // exclusive
 
     let q_base = (t * p.heads + head) * d;
-    for (var i = lid; i < d; i += 64u) {
-        q_tile[i] = q[q_base + i];
+    for (var i = lid; i < d / 4u; i += 64u) {
+        let at = q_base + 4u * i;
+        q_tile[i] = vec4<f32>(q[at], q[at + 1u], q[at + 2u], q[at + 3u]);
     }
     workgroupBarrier();
 
@@ -59,12 +60,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let j = tile + lid;
         var s = EMPTY;
         if (j < end) {
-            let k_base = j * kv_stride + kv_head * d;
-            var dot = 0.0;
-            for (var i = 0u; i < d; i++) {
-                dot += q_tile[i] * k_cache[k_base + i];
+            let k_base = (j * kv_stride + kv_head * d) / 4u;
+            var total = 0.0;
+            for (var i = 0u; i < d / 4u; i++) {
+                total += dot(q_tile[i], k_cache[k_base + i]);
             }
-            s = dot * p.scale;
+            s = total * p.scale;
             if (p.softcap > 0.0) {
                 let e = exp(2.0 * clamp(s / p.softcap, -15.0, 15.0));
                 s = p.softcap * (e - 1.0) / (e + 1.0);
