@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_core import Graph, Node, PackedWeight, Reason, Unsupported
+from poot_core import Graph, Node, PackedWeight, Reason, Unsupported, rope_attention_factor
 
+from . import moe
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
 
@@ -358,6 +359,152 @@ class Binder:
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name][:, -1:, :]
+
+        return run
+
+    # --- mixture of experts, latent attention, encoders -------------------------------------------------
+    def _value_or_weight(self, name: str) -> Callable[[Step], Any]:
+        """An optional input that is either a stored weight or a value computed earlier in the step."""
+        if not name:
+            return lambda s: None
+        if name.startswith("w:"):
+            w = self.weight(name)
+            return lambda s: w
+        return lambda s: s.env[name]
+
+    def op_moe(self, node: Node) -> StepFn:
+        a = node.attrs
+        needed = ("experts", "stacked", "top_k", "scoring", "norm_topk", "routed_scale", "groups", "act")
+        if len(node.inputs) < 6 or any(k not in a for k in needed):
+            raise Unsupported(Reason.OPERATION, "moe", "malformed moe node: inputs or attributes are missing")
+        if a["scoring"] not in ("softmax", "sigmoid") or a.get("group_score", "max") not in ("max", "top2"):
+            raise Unsupported(Reason.OPERATION, f"moe scoring {a['scoring']}/{a.get('group_score')}", self.backend)
+        if a["act"] not in GATED:
+            raise Unsupported(Reason.OPERATION, f"moe:{a['act']}", f"the gated kernel does {sorted(GATED)}")
+        attrs = {"group_score": "max", "topk_groups": 1, **a}
+        x_name, out, shape, act = node.inputs[0], node.output, node.shape, self.act
+        router = self.weight(node.inputs[1])
+        bias = self.weight(node.inputs[2]) if node.inputs[2] else None
+        shared = self._value_or_weight(node.inputs[3])
+        gate = self.weight(node.inputs[4]) if node.inputs[4] else None
+        if isinstance(gate, torch.Tensor) and gate.dim() == 1:  # some files store the shared gate as [D]
+            gate = gate.view(1, -1)
+        experts = moe.experts_of([self.weight(n) for n in node.inputs[5:]], int(a["experts"]), bool(a["stacked"]))
+
+        def run(s: Step) -> None:
+            x = _rows(s.env[x_name])
+            if x.dtype != act:
+                x = x.to(act)
+            ids, weights = moe.route(moe.router_logits(x, router), bias, attrs)
+            y = moe.run_experts(x, ids, weights, experts, attrs["act"])
+            extra = shared(s)
+            if extra is not None:
+                extra = _rows(extra).float()
+                if gate is not None:
+                    extra = extra * torch.sigmoid(ktr.linear(x, gate, out_dtype=torch.float32))
+                y = y + extra
+            s.env[out] = y.reshape(shape)
+
+        return run
+
+    def op_mla_attention(self, node: Node) -> StepFn:
+        """The expanded form: the cache holds the normed latent and the rotated rope key per token; each
+        step expands the cached latent with kv_b through `linear` into per-head keys and values, then runs
+        the flash-attention kernel per row. Reads the rows' start positions on the host (no CUDA graph)."""
+        a = node.attrs
+        if a["style"] not in ROPE_STYLES:
+            raise Unsupported(Reason.OPERATION, f"rope:{a['style']}", f"rope styles {sorted(ROPE_STYLES)}")
+        q_name, kv_name, pos_name = node.inputs[:3]
+        norm_w, kv_b, cache_key = self.weight(node.inputs[3]), self.weight(node.inputs[4]), node.inputs[5][2:]
+        dn, dr, dv, eps, scale = int(a["nope_dim"]), int(a["rope_dim"]), int(a["v_dim"]), float(a["eps"]), a["scale"]
+        scaling = a.get("scaling") or {}
+        cos, sin = self.rope_tables(a["theta"], dr, scaling, self.graph.shape.capacity)
+        factor = rope_attention_factor(scaling)
+        if factor != 1.0:
+            cos, sin = (cos * factor).contiguous(), (sin * factor).contiguous()
+        interleaved = a["style"] == "interleaved"
+        rows, tokens, heads = node.shape[0], node.shape[1], node.shape[2]
+        width = max(dn + dr, dv)  # keys and values padded with zeros to one head size for the kernel
+        out, shape, act = node.output, node.shape, self.act
+
+        def run(s: Step) -> None:
+            q, kv, pos = s.env[q_name], s.env[kv_name], s.env[pos_name].reshape(-1)
+            cache = s.state[cache_key]
+            latent_dim = kv.shape[-1] - dr
+            q = q.reshape(-1, heads, dn + dr).to(act)
+            q_rot = ktr.rotate(q[..., dn:].contiguous(), pos, cos, sin, interleaved=interleaved, inplace=False)
+            kv_rows = _rows(kv)
+            _, latent = ktr.add_rms_norm(
+                kv_rows[:, :latent_dim].contiguous(), None, norm_w, eps, out_dtype=cache.dtype
+            )
+            k_rot = ktr.rotate(
+                kv_rows[:, None, latent_dim:].to(act).contiguous(), pos, cos, sin, interleaved=interleaved,
+                inplace=False,
+            )[:, 0]  # fmt: skip
+            query = F.pad(torch.cat((q[..., :dn], q_rot), dim=-1), (0, width - dn - dr))
+            query = query.view(rows, tokens, heads, width)
+            latent, k_rot = latent.view(rows, tokens, latent_dim), k_rot.view(rows, tokens, dr)
+            outs = []
+            for r in range(rows):
+                start = int(s.host_positions[r, 0])
+                end = start + tokens
+                cache[r, 0, start:end, :latent_dim] = latent[r]
+                cache[r, 0, start:end, latent_dim:] = k_rot[r].to(cache.dtype)
+                kept = cache[r, 0, :end]
+                expanded = ktr.linear(kept[:, :latent_dim].to(act), kv_b).view(end, heads, dn + dv)
+                rot = kept[:, None, latent_dim:].to(expanded.dtype).expand(end, heads, dr)
+                keys = F.pad(torch.cat((expanded[..., :dn], rot), dim=-1), (0, width - dn - dr))
+                values = F.pad(expanded[..., dn:], (0, width - dv))
+                o = ktr.prefill_attention(
+                    query[r].to(keys.dtype).contiguous(), keys.transpose(0, 1).contiguous(),
+                    values.transpose(0, 1).contiguous(), start, scale=float(scale),
+                )  # fmt: skip
+                outs.append(o[..., :dv])
+            s.env[out] = torch.stack(outs).reshape(shape)
+
+        return run
+
+    def op_encoder_attention(self, node: Node) -> StepFn:
+        """Bidirectional attention over each row's real tokens. A mask that is a run of ones then padding
+        (how batches are padded) goes through the flash-attention kernel with the row's length; any other
+        mask falls back to torch's attention with the mask."""
+        q_name, k_name, v_name, mask_name = node.inputs
+        scale, out, shape = float(node.attrs["scale"]), node.output, node.shape
+
+        def run(s: Step) -> None:
+            q, k, v, mask = s.env[q_name], s.env[k_name], s.env[v_name], s.env[mask_name]
+            allowed = mask.reshape(q.shape[0], -1).bool()
+            lens = allowed.sum(dim=1)
+            tokens = allowed.shape[1]
+            prefix = torch.arange(tokens, device=allowed.device)[None, :] < lens[:, None]
+            if not bool((prefix == allowed).all()) or q.shape[-1] != v.shape[-1]:
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None, None, :],
+                    scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+                ).transpose(1, 2)  # fmt: skip
+                s.env[out] = o.reshape(shape)
+                return
+            outs = []
+            for r, n in enumerate(lens.tolist()):
+                kc, vc = k[r].transpose(0, 1).contiguous(), v[r].transpose(0, 1).contiguous()
+                n = max(int(n), 1)  # a row of padding only: its output is unused, keep the kernel's bounds
+                outs.append(ktr.prefill_attention(q[r].contiguous(), kc, vc, 0, scale=scale, causal=False, kv_len=n))
+            s.env[out] = torch.stack(outs).reshape(shape)
+
+        return run
+
+    def op_layer_norm(self, node: Node) -> StepFn:
+        """Plain torch layer norm in float32, output float32 as on the CPU executor: in post-norm encoders
+        its output is the residual stream."""
+        x_name, out, shape = node.inputs[0], node.output, node.shape
+        w = self.weight(node.inputs[1])
+        b = self.weight(node.inputs[2]) if node.inputs[2] else None
+        eps = float(node.attrs["eps"])
+        w32, b32 = w.float(), None if b is None else b.float()
+
+        def run(s: Step) -> None:
+            x = s.env[x_name].float()
+            s.env[out] = F.layer_norm(x, (x.shape[-1],), w32, b32, eps).reshape(shape)
 
         return run
 

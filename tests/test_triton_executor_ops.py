@@ -1,0 +1,190 @@
+"""The shared Triton executor's mixture-of-experts, latent-attention and encoder ops against the CPU executor.
+
+Runs the executor's graph binding on the CPU under TRITON_INTERPRET (the same kernels; no CUDA graphs) on tiny
+random checkpoints in float32: MoE families (dense Hugging Face experts and GGUF Q8_0 stacked experts), DeepSeek's
+latent attention, and BERT-style encoders (layer norm, bidirectional attention with padding, gelu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton")
+
+import test_encoders  # noqa: E402
+import test_family_moe  # noqa: E402
+from poot_core import (  # noqa: E402
+    CrossEncoder,
+    Driver,
+    DriverOptions,
+    ModelHandle,
+    StepShape,
+    Tracer,
+    open_executor,
+)
+from poot_kernels_triton.executor import HOST_SYNC_OPS, TritonExecutor  # noqa: E402
+from poot_kernels_triton.program import Binder, Step  # noqa: E402
+
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(14)]
+interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for machines without a GPU")
+
+
+def rel(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def interpreted_executor() -> TritonExecutor:
+    ex = TritonExecutor.__new__(TritonExecutor)
+    ex.device = torch.device("cpu")
+    ex._tables = {}
+    ex._state_bytes = 0
+    ex.use_cuda_graphs = False
+    ex.memory = lambda: {"total": 1 << 40, "free": 1 << 40}
+    return ex
+
+
+def both_logits(handle: ModelHandle, prompt: list[int], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    opts = DriverOptions(capacity=32, prefill_chunk=chunk)
+    ref = Driver(handle, open_executor("cpu"), opts).logits(prompt)
+    ours = Driver(handle, interpreted_executor(), opts).logits(prompt)
+    return ours, ref
+
+
+def _graph(handle: ModelHandle, shape: StepShape):
+    tracer = Tracer(shape, handle.store().shapes())
+    handle.family.trace(handle.config(), tracer, shape)
+    return tracer.graph
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            made[arch] = test_family_moe.build(tmp_path_factory.mktemp(arch), arch, torch.float32)
+        return made[arch]
+
+    return make
+
+
+@interpreter
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_moe_and_latent_attention_match_cpu(moe_checkpoint, arch):
+    """Prefill chunks, then one-token steps: routing, grouped experts, shared experts, latent attention."""
+    handle = ModelHandle.load(moe_checkpoint(arch))
+    ops = {n.op for n in _graph(handle, StepShape(1, 1, 32)).nodes}
+    assert "moe" in ops and (("mla_attention" in ops) == arch.startswith("deepseek"))
+    ours, ref = both_logits(handle, PROMPT, 5)
+    assert ours.shape == ref.shape
+    assert rel(ours, ref) <= 1e-3
+    ours1, ref1 = both_logits(handle, PROMPT[:5], 1)
+    assert rel(ours1, ref1) <= 1e-3
+
+
+@interpreter
+def test_gguf_stacked_q8_experts_match_cpu(moe_checkpoint, tmp_path):
+    """Experts stacked [E, F, D] as GGUF Q8_0 blocks (and a Q8_0 kv_b): each expert is a view of the blocks."""
+    path = test_family_moe.write_gguf(moe_checkpoint("deepseek_v2"), tmp_path, "deepseek_v2")
+    handle = ModelHandle.load(path)
+    ours, ref = both_logits(handle, PROMPT[:9], 4)
+    assert rel(ours, ref) <= 2e-2  # bf16 activations (packed weights) against the CPU's float32
+
+
+@interpreter
+def test_only_chosen_experts_run_and_graphs_are_off(moe_checkpoint, monkeypatch):
+    handle = ModelHandle.load(moe_checkpoint("mixtral"))
+    ex = interpreted_executor()
+    ex.use_cuda_graphs = True
+    weights = ex.upload(handle.store())
+    graph = _graph(handle, StepShape(1, 1, 32))
+    program = ex.prepare(graph, weights)
+    assert not program.use_graph and "moe" in HOST_SYNC_OPS  # counts per expert cross to the host
+    import poot_kernels_triton.moe as tmoe
+
+    seen: list[int] = []
+    real = tmoe.linear
+
+    def counting(x, w, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(tmoe, "linear", counting)
+    ex.use_cuda_graphs = False
+    Driver(handle, ex, DriverOptions(capacity=32, prefill_chunk=4)).logits(PROMPT[:2])
+    layers = handle.config().layers if hasattr(handle.config(), "layers") else 3
+    # one token, top-2 of 8: 2 experts x 3 linears per moe layer, never all 8 experts
+    assert 0 < len(seen) <= 3 * 2 * layers * 2 and all(rows <= 4 for rows in seen)
+
+
+@interpreter
+def test_latent_cache_holds_latent_and_rope_key_only(moe_checkpoint):
+    handle = ModelHandle.load(moe_checkpoint("deepseek_v3"))
+    graph = _graph(handle, StepShape(1, 1, 32))
+    ex = interpreted_executor()
+    weights = ex.upload(handle.store())
+    ex.prepare(graph, weights)
+    state = ex.allocate_state(graph)
+    widths = {buf.shape[-1] for buf in state.values()}
+    assert widths == {32 + 8}  # kv_lora_rank + qk_rope_head_dim
+    assert all(buf.shape[1] == 1 for buf in state.values())
+
+
+@interpreter
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_cross_encoder_matches_cpu(tmp_path, arch):
+    """layer_norm, encoder_attention over padded rows, gelu (erf) and gelu_tanh activations."""
+    test_encoders._build_cross_encoder(tmp_path, arch)
+    ref = CrossEncoder.load(tmp_path, open_executor("cpu"), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
+    ours = CrossEncoder.load(tmp_path, interpreted_executor(), rows=4).logits(
+        test_encoders.QUERY, test_encoders.DOCS
+    )
+    assert ours.shape == ref.shape
+    assert float(np.linalg.norm(ours - ref) / np.linalg.norm(ref)) <= 1e-4
+
+
+@interpreter
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_activation_matches_cpu(act):
+    from poot_core.cpu import ops as cpu_ops
+
+    x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(3)) * 3
+    graph = type("G", (), {"nodes": [], "outputs": [], "shape": StepShape(1, 1, 8)})()
+    from poot_core import Node
+
+    node = Node("activation", ("x",), "y", tuple(x.shape), {"act": act})
+    binder = Binder(graph, type("W", (), {"act_dtype": torch.float32})(), lambda *a: None)
+    step = Step({"x": x}, {}, None)
+    binder.bind(node)(step)
+    assert torch.allclose(step.env["y"], cpu_ops.activation(x, act), atol=1e-6)
+
+
+@interpreter
+def test_encoder_attention_with_a_hole_in_the_mask_falls_back(tmp_path):
+    """A mask that is not ones-then-padding still matches the CPU's masked attention."""
+    from poot_core import Node
+    from poot_core.cpu import ops as cpu_ops
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 6, 4, 16, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1]])
+    graph = type("G", (), {"nodes": [], "outputs": [], "shape": StepShape(2, 6, 8)})()
+    binder = Binder(graph, type("W", (), {"act_dtype": torch.float32})(), lambda *a: None)
+    node = Node("encoder_attention", ("q", "k", "v", "m"), "o", (2, 6, 4, 16), {"scale": 0.25})
+    step = Step({"q": q, "k": k, "v": v, "m": mask}, {}, None)
+    binder.bind(node)(step)
+    ref = cpu_ops.encoder_attention(q, k, v, mask, 0.25)
+    assert rel(step.env["o"].numpy(), ref.numpy()) <= 1e-5
+    # the prefix-shaped row alone goes through the kernel
+    step = Step({"q": q[:1], "k": k[:1], "v": v[:1], "m": mask[:1]}, {}, None)
+    node1 = Node("encoder_attention", ("q", "k", "v", "m"), "o", (1, 6, 4, 16), {"scale": 0.25})
+    binder.bind(node1)(step)
+    ref1 = cpu_ops.encoder_attention(q[:1], k[:1], v[:1], mask[:1], 0.25)
+    assert rel(step.env["o"][0, :4].numpy(), ref1[0, :4].numpy()) <= 1e-5
