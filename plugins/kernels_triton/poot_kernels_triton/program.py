@@ -434,9 +434,7 @@ class Binder:
             q = q.reshape(-1, heads, dn + dr).to(act)
             q_rot = ktr.rotate(q[..., dn:].contiguous(), pos, cos, sin, interleaved=interleaved, inplace=False)
             kv_rows = _rows(kv)
-            _, latent = ktr.add_rms_norm(
-                kv_rows[:, :latent_dim].contiguous(), None, norm_w, eps, out_dtype=cache.dtype
-            )
+            _, latent = ktr.add_rms_norm(kv_rows[:, :latent_dim].contiguous(), None, norm_w, eps, out_dtype=cache.dtype)
             k_rot = ktr.rotate(
                 kv_rows[:, None, latent_dim:].to(act).contiguous(), pos, cos, sin, interleaved=interleaved,
                 inplace=False,
@@ -488,7 +486,13 @@ class Binder:
             for r, n in enumerate(lens.tolist()):
                 kc, vc = k[r].transpose(0, 1).contiguous(), v[r].transpose(0, 1).contiguous()
                 n = max(int(n), 1)  # a row of padding only: its output is unused, keep the kernel's bounds
-                outs.append(ktr.prefill_attention(q[r].contiguous(), kc, vc, 0, scale=scale, causal=False, kv_len=n))
+                # the kernel reads at most kv_len queries a call: padding queries (which attend to the real
+                # keys too, as on the CPU) go in further calls of n
+                parts = [
+                    ktr.prefill_attention(q[r, c : c + n].contiguous(), kc, vc, 0, scale=scale, causal=False, kv_len=n)
+                    for c in range(0, tokens, n)
+                ]
+                outs.append(torch.cat(parts))
             s.env[out] = torch.stack(outs).reshape(shape)
 
         return run
