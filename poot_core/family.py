@@ -7,8 +7,11 @@ says which stored tensor names it reads, and writes the model once as a function
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from poot_core.errors import Reason, Unsupported
 
 if TYPE_CHECKING:
     from poot_core.graph import StepShape, Tracer
@@ -32,8 +35,9 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-class Family:
-    """Base class of a model family. Subclasses set `name` and `architectures` and implement the methods."""
+class Family(ABC):
+    """Base class of a model family. Subclasses set `name` and `architectures`, implement `trace`, and the
+    config readers of the formats they serve (the others refuse with a typed error)."""
 
     name: str = ""
     # Every name this family serves: HF `architectures` entries, HF `model_type` values and GGUF
@@ -41,17 +45,19 @@ class Family:
     architectures: tuple[str, ...] = ()
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        raise NotImplementedError(f"family {self.name} reads no Hugging Face configs")
+        raise Unsupported(Reason.REGISTRY, f"{self.name} from a Hugging Face checkpoint",
+                          "this family reads no Hugging Face configs")
 
     def config_from_gguf(self, metadata: dict[str, Any]) -> ModelConfig:
-        raise NotImplementedError(f"family {self.name} reads no GGUF files")
+        raise Unsupported(Reason.REGISTRY, f"{self.name} from a GGUF file", "this family reads no GGUF files")
 
     def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
         """Map a llama.cpp tensor name to the name `trace` uses (None: not used)."""
         return name
 
+    @abstractmethod
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        raise NotImplementedError
+        """Write the model's step for `shape` with the tracer's ops."""
 
     def describe(self) -> str:
         return f"{self.name}: {', '.join(self.architectures)}"

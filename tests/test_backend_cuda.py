@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-pytest.importorskip("triton")
+import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 from poot_backend_cuda.executor import CudaExecutor  # noqa: E402
 from poot_backend_cuda.plugin import probe  # noqa: E402

@@ -237,17 +237,10 @@ def write_tiny_gguf(path, layers: int = 2, hidden: int = 256, ffn: int = 256) ->
     writer.close()
 
 
-def _load_gguf(path):
-    try:
-        return ModelHandle.load(path)
-    except ImportError as error:  # GGUF loading not installed in this checkout
-        pytest.skip(f"GGUF loading is not available: {error}")
-
-
 def test_tiny_gguf_blocks_match_cpu(tmp_path, vulkan):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)
-    handle = _load_gguf(path)
+    handle = ModelHandle.load(path)
     kinds = {getattr(handle.store().get(n), "kind", "dense") for n in handle.store().names()}
     assert {"gguf.Q8_0", "gguf.Q4_0", "gguf.Q4_1", "gguf.Q4_K", "gguf.Q6_K"} <= kinds
     assert handle.config().params.rope_style == "interleaved"
@@ -262,7 +255,7 @@ def test_tiny_gguf_blocks_match_cpu(tmp_path, vulkan):
 @pytest.mark.slow
 def test_smollm2_gguf_matches_cpu(vulkan):
     """The real SmolLM2-135M (Q4_1 blocks, Q8_0 embeddings) through the shaders."""
-    handle = _load_gguf(smollm.gguf_path())
+    handle = ModelHandle.load(smollm.gguf_path())
     ids = handle.text().encode(smollm.PROMPTS[0])
     ours, ref = both_logits(handle, vulkan, ids, capacity=32)
     assert rel(ours, ref) <= 1e-3

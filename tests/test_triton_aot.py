@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("triton")
+import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 TARGETS = {
     "cuda:90": ("cuda", 90, 32),
@@ -77,8 +76,6 @@ def jitted_kernels() -> set[str]:
     """Names of the package's @triton.jit functions that are launched directly (kernels, not helpers)."""
     import importlib
     import pkgutil
-
-    import triton
 
     import poot_kernels_triton as ktr
 
