@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from poot_core import Capabilities, Graph, Reason, Unsupported, Weight, inverse_frequencies, require_ops
+from poot_core import (
+    Capabilities,
+    Graph,
+    Reason,
+    Unsupported,
+    Weight,
+    inverse_frequencies,
+    require_ops,
+    rope_attention_factor,
+)
 
 from .program import Binder, TritonProgram
 from .tuning import Tuning
@@ -162,12 +171,11 @@ class TritonExecutor:
         key = (float(theta), int(dim), tuple(sorted(scaling.items())), int(positions))
         tables = self._tables.get(key)
         if tables is None:
-            try:
-                inv = inverse_frequencies(float(theta), int(dim), tuple(sorted(scaling.items())))
-            except ValueError as exc:
-                raise Unsupported(Reason.OPERATION, f"rope scaling {scaling}", str(exc)) from exc
+            inv = inverse_frequencies(float(theta), int(dim), tuple(sorted(scaling.items())))
             angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
-            tables = (angles.cos().to(self.device).contiguous(), angles.sin().to(self.device).contiguous())
+            factor = rope_attention_factor(scaling)  # YaRN scales cos and sin; 1 for the other scalings
+            cos, sin = angles.cos() * factor, angles.sin() * factor
+            tables = (cos.to(self.device).contiguous(), sin.to(self.device).contiguous())
             self._tables[key] = tables
         return tables
 

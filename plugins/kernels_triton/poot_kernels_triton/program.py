@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_core import Graph, Node, PackedWeight, Reason, Unsupported, rope_attention_factor
+from poot_core import Graph, Node, PackedWeight, Reason, Unsupported
 
 from . import moe
 from .tuning import Tuning, use_tuning
@@ -418,10 +418,7 @@ class Binder:
         norm_w, kv_b, cache_key = self.weight(node.inputs[3]), self.weight(node.inputs[4]), node.inputs[5][2:]
         dn, dr, dv, eps, scale = int(a["nope_dim"]), int(a["rope_dim"]), int(a["v_dim"]), float(a["eps"]), a["scale"]
         scaling = a.get("scaling") or {}
-        cos, sin = self.rope_tables(a["theta"], dr, scaling, self.graph.shape.capacity)
-        factor = rope_attention_factor(scaling)
-        if factor != 1.0:
-            cos, sin = (cos * factor).contiguous(), (sin * factor).contiguous()
+        cos, sin = self.rope_tables(a["theta"], dr, scaling, self.graph.shape.capacity)  # YaRN factor applied
         interleaved = a["style"] == "interleaved"
         rows, tokens, heads = node.shape[0], node.shape[1], node.shape[2]
         width = max(dn + dr, dv)  # keys and values padded with zeros to one head size for the kernel
