@@ -16,10 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-pytest.importorskip("triton")
-
 import test_encoders  # noqa: E402
 import test_family_moe  # noqa: E402
+import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 from poot_core import (  # noqa: E402
     CrossEncoder,
@@ -189,3 +188,29 @@ def test_encoder_attention_with_a_hole_in_the_mask_falls_back(tmp_path):
     binder.bind(node1)(step)
     ref1 = cpu_ops.encoder_attention(q[:1], k[:1], v[:1], mask[:1], 0.25)
     assert rel(step.env["o"][0, :4].numpy(), ref1[0, :4].numpy()) <= 1e-5
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@gpu
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_moe_and_latent_attention_match_cpu_on_the_gpu(moe_checkpoint, arch):
+    """The same ops on a real GPU (f32 matrix products run in tf32 there, hence the looser bound)."""
+    from poot_backend_cuda.executor import CudaExecutor
+
+    handle = ModelHandle.load(moe_checkpoint(arch))
+    opts = DriverOptions(capacity=32, prefill_chunk=5)
+    ref = Driver(handle, open_executor("cpu"), opts).logits(PROMPT)
+    ours = Driver(handle, CudaExecutor(), opts).logits(PROMPT)
+    assert rel(ours, ref) <= 1e-2
+
+
+@gpu
+def test_cross_encoder_matches_cpu_on_the_gpu(tmp_path):
+    from poot_backend_cuda.executor import CudaExecutor
+
+    test_encoders._build_cross_encoder(tmp_path, "bert")
+    ref = CrossEncoder.load(tmp_path, open_executor("cpu"), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
+    ours = CrossEncoder.load(tmp_path, CudaExecutor(), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
+    assert float(np.linalg.norm(ours - ref) / np.linalg.norm(ref)) <= 1e-2
