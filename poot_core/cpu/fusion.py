@@ -1,10 +1,10 @@
 """Joining linears on the CPU without copying weights.
 
 Linears that read the same input (q/k/v, gate/up) cost one matrix product each; at decode that is one pass
-over a small matrix per call, which the CPU streams less efficiently than one larger matrix. When their dense
-weights already lie back to back in memory (a safetensors file usually stores gate_proj right before up_proj,
-q_proj right before v_proj), one zero-copy view covers them all and a single product does the work: a
-re-layout of nothing, no extra memory.
+over a small matrix per call, which the CPU streams less efficiently than one larger matrix. When their weights
+already lie back to back in memory (safetensors and GGUF files usually store gate right before up, q right
+before v), one zero-copy view covers them all and a single product does the work: a re-layout of nothing, no
+extra memory. Dense weights of one dtype and GGUF blocks of one type are joined alike.
 """
 
 from __future__ import annotations
@@ -16,44 +16,51 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from poot_core.checkpoint.layouts import Weight
+from poot_core.checkpoint.layouts import PackedWeight, Weight
+from poot_core.cpu import ops
 from poot_core.graph import Node
 
 HALF = (torch.bfloat16, torch.float16)
 
 
-def _dense_weight(node: Node, weights: dict[str, Weight]) -> torch.Tensor | None:
+def _memory(node: Node, weights: dict[str, Weight]) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
+    """The tensor holding a linear's weight bytes row by row, and what must match to join it with another
+    (kind, row width); None when the node cannot take part."""
     if node.op != "linear" or not node.inputs[1].startswith("w:") or node.inputs[2] != "":
         return None
     w = weights[node.inputs[1][2:]]
+    if isinstance(w, PackedWeight):
+        blocks = w.parts.get("blocks")
+        if w.layout != "gguf" or blocks is None or blocks.dim() != 2 or not blocks.is_contiguous() or len(w.shape) != 2:
+            return None
+        return blocks, ("gguf", w.meta.get("type"), w.shape[1], blocks.shape[1])
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous() and w.is_floating_point():
-        return w
+        return w, (w.dtype, w.shape[1])
     return None
 
 
 def adjacent_groups(nodes: list[Node], weights: dict[str, Weight]) -> list[list[int]]:
     """Indices of linear nodes (two or more) that share an input and whose weights are contiguous in memory,
     listed in memory order."""
-    by_input: dict[str, list[tuple[torch.Tensor, int]]] = {}
+    by_input: dict[str, list[tuple[torch.Tensor, tuple[Any, ...], int]]] = {}
     for i, node in enumerate(nodes):
-        w = _dense_weight(node, weights)
-        if w is not None:
-            by_input.setdefault(node.inputs[0], []).append((w, i))
+        found = _memory(node, weights)
+        if found is not None:
+            by_input.setdefault(node.inputs[0], []).append((*found, i))
     groups: list[list[int]] = []
     for members in by_input.values():
         members.sort(key=lambda m: m[0].data_ptr())
         run = [members[0]]
-        for w, i in members[1:]:
-            prev = run[-1][0]
-            if (w.dtype == prev.dtype and w.shape[1] == prev.shape[1]
-                    and w.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size()):
-                run.append((w, i))
+        for mem, key, i in members[1:]:
+            prev_mem, prev_key, _ = run[-1]
+            if key == prev_key and mem.data_ptr() == prev_mem.data_ptr() + prev_mem.numel() * prev_mem.element_size():
+                run.append((mem, key, i))
                 continue
             if len(run) > 1:
-                groups.append([i for _, i in run])
-            run = [(w, i)]
+                groups.append([i for _, _, i in run])
+            run = [(mem, key, i)]
         if len(run) > 1:
-            groups.append([i for _, i in run])
+            groups.append([i for _, _, i in run])
     return groups
 
 
@@ -65,18 +72,26 @@ def _joined_view(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=first.dtype, count=rows * cols).view(rows, cols)
 
 
+def _joined_weight(parts: list[Weight]) -> Weight:
+    if isinstance(parts[0], PackedWeight):
+        packed = [p for p in parts if isinstance(p, PackedWeight)]
+        blocks = _joined_view([p.parts["blocks"] for p in packed])
+        rows = sum(p.shape[0] for p in packed)
+        return PackedWeight("gguf", (rows, packed[0].shape[1]), {"blocks": blocks}, dict(packed[0].meta))
+    return _joined_view([p for p in parts if isinstance(p, torch.Tensor)])
+
+
 def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
                arg: Callable[[dict[str, Any], dict[str, torch.Tensor]], torch.Tensor]
                ) -> Callable[[dict[str, Any], dict[str, torch.Tensor]], torch.Tensor]:
     """The step function of `runner` (the group's first node in program order): one product for the whole
     group; it leaves the other members' outputs in the environment and returns its own."""
     parts = [weights[n.inputs[1][2:]] for n in nodes]
-    assert all(isinstance(p, torch.Tensor) for p in parts)
-    joined = _joined_view(parts)  # type: ignore[arg-type]
+    joined = _joined_weight(parts)
     sizes = [p.shape[0] for p in parts]
     outputs = [n.output for n in nodes]
-    key = f"{runner.inputs[0]}:{joined.dtype}"
-    half = joined.dtype in HALF
+    half = isinstance(joined, torch.Tensor) and joined.dtype in HALF
+    key = f"{runner.inputs[0]}:{joined.dtype}" if isinstance(joined, torch.Tensor) else ""
 
     def run(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
         if half:
@@ -85,7 +100,7 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
                 xs = e[key] = arg(e, s).to(joined.dtype)
             y = F.linear(xs, joined).float()
         else:
-            y = F.linear(arg(e, s), joined)
+            y = ops.linear(arg(e, s), joined)
         mine = None
         for name, piece in zip(outputs, y.split(sizes, dim=-1), strict=True):
             if name == runner.output:
