@@ -36,3 +36,17 @@ def test_unknown_scaling_is_unsupported():
     with pytest.raises(Unsupported) as err:
         ops.inverse_frequencies(10000.0, 64, (("rope_type", "longrope"),))
     assert err.value.reason is Reason.OPERATION and "longrope" in str(err.value)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("dim", [64, 32])  # full and partial rotary
+def test_step_table_rotation_equals_the_plain_one(style, dim):
+    from poot_core.cpu import ops as cpu_ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 64, generator=g)
+    positions = torch.arange(10).reshape(2, 5)
+    cos, sin = cpu_ops.rope_tables(positions, 10000.0, dim, {})
+    plain = cpu_ops.rope(x, cos, sin, style)
+    fast = cpu_ops.rope_with(x, cpu_ops.rope_step_table(cos, sin, style), style)
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)

@@ -122,13 +122,15 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
         return lambda e, s: x(e, s).reshape(node.shape)
     if op == "rope":
         x, pos = args
-        key = f"rope:{node.inputs[1]}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}"
+        style = a["style"]
+        key = f"rope:{node.inputs[1]}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}:{style}"
 
         def rope(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
-            tables = e.get(key)  # computed once per step, shared by every layer with the same rope
-            if tables is None:
-                tables = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
-            return ops.rope(x(e, s), tables[0], tables[1], a["style"])
+            table = e.get(key)  # computed once per step, shared by every layer with the same rope
+            if table is None:
+                cos, sin = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
+                table = e[key] = ops.rope_step_table(cos, sin, style)
+            return ops.rope_with(x(e, s), table, style)
 
         return rope
     if op == "attention":

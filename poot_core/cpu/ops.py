@@ -73,6 +73,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> t
     return torch.cat((out, rest), dim=-1) if rest.numel() else out
 
 
+def rope_step_table(cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """The rotation of one step in the form `rope_with` applies with the fewest ops: for neox the full-width
+    cos and a signed sin, stacked; for interleaved pairs the complex exponential."""
+    if style == "neox":
+        return torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)))
+    return torch.complex(cos, sin)
+
+
+def rope_with(x: torch.Tensor, table: torch.Tensor, style: str) -> torch.Tensor:
+    """The same rotation as `rope`, from a `rope_step_table`."""
+    dim = table.shape[-1] * (1 if style == "neox" else 2)
+    rot, rest = x[..., :dim], x[..., dim:]
+    if style == "neox":
+        half = dim // 2
+        out = rot * table[0] + torch.cat((rot[..., half:], rot[..., :half]), dim=-1) * table[1]
+    else:
+        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], dim // 2, 2).contiguous())
+        out = torch.view_as_real(pairs * table).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
               softcap: float | None) -> torch.Tensor:
