@@ -32,14 +32,14 @@ def moe_config(arch: str) -> Any:
         eos_token_id=1,
         tie_word_embeddings=False,
     )
-    if arch == "mixtral":
+    if arch in ("mixtral", "mixtral_gguf"):
         return tf.MixtralConfig(
             **common,
             intermediate_size=64,
             num_key_value_heads=2,
             num_local_experts=EXPERTS,
             num_experts_per_tok=2,
-            sliding_window=8,
+            sliding_window=8 if arch == "mixtral" else None,  # llama.cpp's llama GGUF carries no window
         )
     if arch == "qwen2_moe":
         return tf.Qwen2MoeConfig(
@@ -269,7 +269,9 @@ def test_absorbed_and_expanded_latent_attention_agree():
 
 
 # --- GGUF ------------------------------------------------------------------------------------------------------
-GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+              "mixtral_gguf": "llama"}
+MIXTRAL_EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -289,6 +291,7 @@ HF_TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -312,7 +315,7 @@ def _gguf_metadata(w: Any, arch: str, hf: dict[str, Any]) -> None:
     w.add_uint32(f"{a}.vocab_size", hf["vocab_size"])
     w.add_uint32(f"{a}.expert_count", EXPERTS)
     w.add_uint32(f"{a}.expert_used_count", hf["num_experts_per_tok"])
-    w.add_uint32(f"{a}.expert_feed_forward_length", hf["moe_intermediate_size"])
+    w.add_uint32(f"{a}.expert_feed_forward_length", hf.get("moe_intermediate_size", hf["intermediate_size"]))
     if arch == "qwen2_moe":
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", hf["shared_expert_intermediate_size"])
     if arch == "qwen3_moe":
@@ -382,6 +385,10 @@ def write_gguf(src: Path, dst: Path, arch: str) -> Path:
             out[gname] = (blocks, True)
             continue
         stem, _, kind = name.rpartition(".")
+        if GGUF_ARCHS[arch] == "llama" and stem.endswith(("q_proj", "k_proj")):
+            # llama.cpp's converter permutes q/k rows of llama models for its interleaved rope layout
+            heads = hf["num_attention_heads"] if stem.endswith("q_proj") else hf["num_key_value_heads"]
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         if stem.startswith("model.layers."):
             layer, rest = stem.split(".", 3)[2:]
             if int(layer) >= hf["num_hidden_layers"]:  # DeepSeek V3's next-token-prediction layer
@@ -397,9 +404,11 @@ def write_gguf(src: Path, dst: Path, arch: str) -> Path:
         stacked = torch.stack([per[e] for e in range(EXPERTS)])  # [E, out, in]
         blocks = round_trip(stacked)
         deq = torch.from_numpy(gguf.quants.dequantize(blocks, q8).copy())
+        moe = "block_sparse_moe" if proj in MIXTRAL_EXPERT_NAMES else "mlp"
         for e in range(EXPERTS):
-            tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = deq[e].clone()
-        out[f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"] = (blocks, True)
+            tensors[f"model.layers.{layer}.{moe}.experts.{e}.{proj}.weight"] = deq[e].clone()
+        short = MIXTRAL_EXPERT_NAMES.get(proj, proj.removesuffix("_proj"))
+        out[f"blk.{layer}.ffn_{short}_exps.weight"] = (blocks, True)
     reference = dst / "hf"
     reference.mkdir()
     for f in src.iterdir():
@@ -435,9 +444,9 @@ def gguf_checkpoint(checkpoint, tmp_path_factory):
 def test_gguf_logits_and_greedy_match_transformers(gguf_checkpoint, arch):
     path = gguf_checkpoint(arch)
     handle = ModelHandle.load(path)
-    assert handle.config().source_format == "gguf" and handle.config().family == arch
+    assert handle.config().source_format == "gguf" and handle.config().family == arch.removesuffix("_gguf")
     store = handle.store()
-    stacked = store.get(next(n for n in store.names() if n.endswith("mlp.experts.gate_exps.weight")))
+    stacked = store.get(next(n for n in store.names() if n.endswith("experts.gate_exps.weight")))
     assert stacked.kind == "gguf.Q8_0" and tuple(stacked.shape)[0] == EXPERTS
     driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
     reference = path.parent / "hf"

@@ -72,6 +72,8 @@ class MoeDecoder(Family):
 
     def config_from_gguf(self, meta: dict[str, Any]) -> ModelConfig:
         arch = str(meta.get("general.architecture", ""))
+        if arch == "llama" and meta.get("llama.expert_count"):
+            arch = "llama:moe"  # llama.cpp names mixtral "llama"; its expert count sets it apart
         prefix = "llama" if arch == "llama:moe" else arch
         where = meta.get("__path__", "gguf")
 
