@@ -6,7 +6,9 @@ dispatches into one command encoder so that a whole decode step is a single queu
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -31,6 +33,10 @@ _DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32}
 
 
 def _import_wgpu() -> Any:
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        # Mesa's drivers print "XDG_RUNTIME_DIR is invalid or not set" on every start without it (servers,
+        # containers, CI): give them a private directory so a probe stays silent.
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="poot-xdg-")
     try:
         import wgpu
     except ImportError as error:  # the package is an optional dependency of the whole project
