@@ -15,12 +15,18 @@ if [ "${#missing[@]}" -eq 0 ]; then
   exit 0
 fi
 
+sudo=""
 if [ "$(id -u)" -ne 0 ]; then
-  echo "setup_lavapipe: need root to install ${missing[*]}" >&2
-  exit 1
+  if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+    sudo="sudo -n"
+  else
+    # Not fatal: without a Vulkan device the Vulkan tests skip (and say why); everything else still runs.
+    echo "setup_lavapipe: cannot install ${missing[*]} without root; the Vulkan tests will skip" >&2
+    exit 0
+  fi
 fi
 
 echo "setup_lavapipe: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq >/dev/null
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+$sudo apt-get update -qq >/dev/null
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
