@@ -41,6 +41,7 @@ from poot_core.executor import (
 )
 from poot_core.family import Family, ModelConfig
 from poot_core.graph import Graph, Node, StateSpec, StepShape, Tracer, Value
+from poot_core.moe import Expert, choose_experts, expert_view, experts_of
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
 from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_hf_config
@@ -55,6 +56,6 @@ __all__ = [
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
     "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
     "open_executor",
-    "require_ops", "weight_kind",
+    "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
     "CrossEncoder", "SentenceEncoder",
 ]

@@ -17,26 +17,7 @@ from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
 from poot_core.errors import Reason, Unsupported
 from poot_core.graph import Node
-
-Expert = tuple[Weight, Weight, Weight]  # gate [F, D], up [F, D], down [D, F]
-
-
-def expert_slice(w: Weight, e: int) -> Weight:
-    """Expert e of a stacked [E, out, in] weight, as a view."""
-    if isinstance(w, PackedWeight):
-        if set(w.parts) != {"blocks"}:
-            raise Unsupported(Reason.QUANTIZATION, f"stacked experts in {w.kind}", "only GGUF blocks stack")
-        count, out_features, in_features = w.shape
-        blocks = w.parts["blocks"][e * out_features : (e + 1) * out_features]
-        return PackedWeight(w.layout, (out_features, in_features), {"blocks": blocks}, w.meta)
-    return w[e]
-
-
-def experts_of(weights: list[Weight], count: int, stacked: bool) -> list[Expert]:
-    if stacked:
-        gate, up, down = weights
-        return [(expert_slice(gate, e), expert_slice(up, e), expert_slice(down, e)) for e in range(count)]
-    return [(weights[3 * e], weights[3 * e + 1], weights[3 * e + 2]) for e in range(count)]
+from poot_core.moe import Expert, choose_experts, experts_of
 
 
 def _router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
@@ -50,25 +31,7 @@ def route(
     x: torch.Tensor, router: Weight, bias: torch.Tensor | None, a: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (expert ids [N, k], weights [N, k] float32)."""
-    logits = _router_logits(x, router)
-    scores = torch.sigmoid(logits) if a["scoring"] == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores if bias is None else scores + bias.float()
-    groups = a["groups"]
-    if groups > 1:
-        n, count = choice.shape
-        grouped = choice.view(n, groups, count // groups)
-        if a["group_score"] == "top2":
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        else:
-            group_scores = grouped.max(dim=-1).values
-        best = group_scores.topk(a["topk_groups"], dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(count // groups, dim=1), float("-inf"))
-    ids = choice.topk(a["top_k"], dim=-1).indices
-    weights = scores.gather(1, ids)
-    if a["norm_topk"]:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * a["routed_scale"]
+    return choose_experts(_router_logits(x, router), bias, a)
 
 
 def run_experts(

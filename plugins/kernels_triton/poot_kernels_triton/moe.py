@@ -8,34 +8,12 @@ the host: one device-to-host copy per moe op, so graphs holding `moe` are not ca
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from poot_core import PackedWeight, Reason, Unsupported, Weight
+from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
 
 from .activation import gated_activation
 from .quant import linear
-
-Expert = tuple[Weight, Weight, Weight]  # gate [F, D], up [F, D], down [D, F]
-
-
-def expert_view(w: Weight, e: int) -> Weight:
-    """Expert e of a stacked [E, out, in] weight, as a view (GGUF blocks stack by rows)."""
-    if isinstance(w, PackedWeight):
-        if w.layout != "gguf" or set(w.parts) != {"blocks"}:
-            raise Unsupported(Reason.QUANTIZATION, f"stacked experts in {w.kind}", "only GGUF blocks stack")
-        _, out_features, in_features = w.shape
-        blocks = w.parts["blocks"][e * out_features : (e + 1) * out_features]
-        return PackedWeight(w.layout, (out_features, in_features), {"blocks": blocks}, w.meta)
-    return w[e]
-
-
-def experts_of(weights: list[Weight], count: int, stacked: bool) -> list[Expert]:
-    if stacked:
-        gate, up, down = weights
-        return [(expert_view(gate, e), expert_view(up, e), expert_view(down, e)) for e in range(count)]
-    return [(weights[3 * e], weights[3 * e + 1], weights[3 * e + 2]) for e in range(count)]
 
 
 def router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
@@ -43,30 +21,6 @@ def router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
     if isinstance(router, PackedWeight):
         return linear(x, router, out_dtype=torch.float32)
     return torch.nn.functional.linear(x.float(), router.float())
-
-
-def route(logits: torch.Tensor, bias: torch.Tensor | None, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> (expert ids [N, k], float32 weights [N, k]); plain torch ops on the device.
-
-    The correction bias only shifts the choice; the weights are the unbiased scores of the chosen experts."""
-    scores = torch.sigmoid(logits) if a["scoring"] == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores if bias is None else scores + bias.float()
-    groups = int(a["groups"])
-    if groups > 1:
-        n, count = choice.shape
-        per_group = choice.view(n, groups, count // groups)
-        if a["group_score"] == "top2":
-            group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
-        else:
-            group_scores = per_group.amax(dim=-1)
-        best = group_scores.topk(int(a["topk_groups"]), dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(count // groups, dim=1), float("-inf"))
-    ids = choice.topk(int(a["top_k"]), dim=-1).indices
-    weights = scores.gather(1, ids)
-    if a["norm_topk"]:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * float(a["routed_scale"])
 
 
 def run_experts(
@@ -93,4 +47,4 @@ def run_experts(
     return out
 
 
-__all__ = ["expert_view", "experts_of", "route", "router_logits", "run_experts"]
+__all__ = ["choose_experts", "experts_of", "router_logits", "run_experts"]

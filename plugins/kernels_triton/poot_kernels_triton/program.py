@@ -395,7 +395,7 @@ class Binder:
             x = _rows(s.env[x_name])
             if x.dtype != act:
                 x = x.to(act)
-            ids, weights = moe.route(moe.router_logits(x, router), bias, attrs)
+            ids, weights = moe.choose_experts(moe.router_logits(x, router), bias, attrs)
             y = moe.run_experts(x, ids, weights, experts, attrs["act"])
             extra = shared(s)
             if extra is not None:
