@@ -136,3 +136,14 @@ def test_non_contiguous_blocks_take_the_torch_route() -> None:
     x = torch.randn(1, 64)
     ref = x @ dequantize(w).T
     torch.testing.assert_close(packed_linear(x, w), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "F32"])
+def test_empty_matrices_decode_to_empty(type_name: str) -> None:
+    """Regression (found by fuzzing a GGUF with a zero-row tensor): an empty block matrix decodes to an empty
+    float matrix of the right width instead of a raw reshape error."""
+    from poot_core.checkpoint.quant.gguf_blocks import dequantize_rows
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    assert dequantize_rows(torch.zeros(0, 2 * size, dtype=torch.uint8), type_name).shape == (0, 2 * block)
+    assert dequantize_rows(torch.zeros(3, 0, dtype=torch.uint8), type_name).shape == (3, 0)

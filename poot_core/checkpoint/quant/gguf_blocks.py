@@ -203,9 +203,11 @@ DENSE_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 
 def dequantize_rows(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     """uint8 [rows, bytes_per_row] of one block type -> float32 [rows, elements_per_row]."""
-    rows = blocks.shape[0]
+    rows, row_bytes = blocks.shape
     if type_name in DENSE_GGUF:
-        return blocks.contiguous().view(DENSE_GGUF[type_name]).float().reshape(rows, -1)
+        dense = DENSE_GGUF[type_name]
+        columns = row_bytes // torch.empty((), dtype=dense).element_size()
+        return blocks.contiguous().view(dense).float().reshape(rows, columns)
     block, size = BLOCK_SIZES[type_name]
-    flat = blocks.reshape(-1, size)
-    return DECODERS[type_name](flat).reshape(rows, -1)
+    flat = blocks.reshape(rows * (row_bytes // size), size)  # explicit sizes: an empty matrix stays well-formed
+    return DECODERS[type_name](flat).reshape(rows, row_bytes // size * block)
