@@ -207,6 +207,8 @@ def dequantize_rows(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     if type_name in DENSE_GGUF:
         dense = DENSE_GGUF[type_name]
         columns = row_bytes // torch.empty((), dtype=dense).element_size()
+        if blocks.numel() == 0:  # an empty matrix stays well-formed (views of empty bytes cannot change dtype)
+            return torch.zeros(rows, columns)
         return blocks.contiguous().view(dense).float().reshape(rows, columns)
     block, size = BLOCK_SIZES[type_name]
     flat = blocks.reshape(rows * (row_bytes // size), size)  # explicit sizes: an empty matrix stays well-formed
