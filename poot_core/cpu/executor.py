@@ -15,6 +15,7 @@ import torch
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
 from poot_core.cpu import fusion, ops
+from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, require_ops
 from poot_core.graph import Graph, Node
@@ -109,10 +110,14 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
             bias = None if bias is None else bias.float()
 
             def linear16(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
-                xs = e.get(key)
-                if xs is None:
-                    xs = e[key] = x(e, s).to(weight.dtype)
-                y = torch.nn.functional.linear(xs, weight).float()
+                xv = x(e, s)
+                if xv.numel() // xv.shape[-1] > FEW_ROWS:
+                    xs = e.get(key)
+                    if xs is None:
+                        xs = e[key] = xv.to(weight.dtype)
+                    y = ops.linear16(xv, weight, xs)
+                else:
+                    y = ops.linear16(xv, weight)
                 return y if bias is None else y + bias
 
             return linear16

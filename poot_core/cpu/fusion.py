@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
+from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.graph import Node
 
 HALF = (torch.bfloat16, torch.float16)
@@ -95,10 +95,11 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
 
     def run(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
         if half:
+            xv = arg(e, s)
             xs = e.get(key)
-            if xs is None:
-                xs = e[key] = arg(e, s).to(joined.dtype)
-            y = F.linear(xs, joined).float()
+            if xs is None and xv.numel() // xv.shape[-1] > FEW_ROWS:  # many rows: oneDNN on x rounded once
+                xs = e[key] = xv.to(joined.dtype)
+            y = ops.linear16(xv, joined, xs)
         else:
             y = ops.linear(arg(e, s), joined)
         mine = None

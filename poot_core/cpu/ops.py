@@ -23,8 +23,20 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
         return packed_linear(x, w, None if b is None else b.float())
     if w.dtype == torch.float32:
         return F.linear(x, w, None if b is None else b.float())
-    y = F.linear(x.to(w.dtype), w).float()
+    y = linear16(x, w)
     return y if b is None else y + b.float()
+
+
+def linear16(x: torch.Tensor, w: torch.Tensor, x16: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 x @ W^T for a bf16/f16 W. A few rows (decode) go through the C kernel, which widens each weight
+    exactly and sums in float32 at the 16-bit weights' memory cost; more rows (prefill) through oneDNN's 16-bit
+    product on x rounded to W's dtype (`x16`, when the caller already has it)."""
+    from poot_core.cpu.packed_linear import dense16_gemv
+
+    y = dense16_gemv(x, w)
+    if y is not None:
+        return y
+    return F.linear(x.to(w.dtype) if x16 is None else x16, w).float()
 
 
 def embed(table: Weight, tokens: torch.Tensor) -> torch.Tensor:

@@ -332,6 +332,43 @@ void poot_dequant_k(int type, const uint8_t *w, int64_t row_bytes, int64_t rows,
         for (int64_t b = 0; b < nb; b++)
             k_block(type, w + o * row_bytes + b * k_size(type), out + o * nb * 256 + b * 256);
 }
+
+/* y[m, n] = x[m, k] @ W^T for W stored as 16-bit floats [n, k] (bf16, or f16 when half != 0), rows
+   row_elems apart: each weight is widened exactly to float32 in registers and summed in float32, so the
+   result is that of the float32 product, read at the 16-bit weights' memory cost. */
+static inline float wide16(uint16_t v, int half) {
+    if (half) { uint8_t b[2]; memcpy(b, &v, 2); return f16(b); }
+    uint32_t bits = (uint32_t)v << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+void poot_gemv16(const uint16_t *w, int64_t row_elems, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                 int half, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        const uint16_t *row = w + o * row_elems;
+        for (int64_t r = 0; r < m; r++) {
+            const float *xr = x + r * k;
+            float s = 0.0f;
+            int64_t j = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            for (; j + 32 <= k; j += 32) {
+                __m256i r0 = _mm256_loadu_si256((const __m256i *)(row + j));
+                __m256i r1 = _mm256_loadu_si256((const __m256i *)(row + j + 16));
+                __m512 w0 = half ? _mm512_cvtph_ps(r0)
+                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
+                __m512 w1 = half ? _mm512_cvtph_ps(r1)
+                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16));
+                a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + j), a0);
+                a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + j + 16), a1);
+            }
+            s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+            for (; j < k; j++) s += wide16(row[j], half) * xr[j];
+            y[r * n + o] = s;
+        }
+    }
+}
 """
 
 _TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
@@ -378,6 +415,8 @@ def _build() -> ctypes.CDLL | None:
     lib.poot_gemv_k.restype = None
     lib.poot_dequant_k.argtypes = [i32, p, i64, i64, i64, p, i32]
     lib.poot_dequant_k.restype = None
+    lib.poot_gemv16.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
+    lib.poot_gemv16.restype = None
     return lib
 
 
@@ -437,6 +476,23 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
         dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
         out[:, start : start + rows] = flat @ buffer[:rows].T
     return out
+
+
+def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """float32 x [..., k] (at most FUSED_MAX_ROWS rows) @ W^T for a bf16/f16 W [n, k] with unit column stride,
+    computed as the float32 product (weights widened exactly in registers); None where the C kernels are not
+    available or the shapes do not fit, and the caller uses torch."""
+    lib = kernels()
+    flat = x.reshape(-1, x.shape[-1])
+    if (lib is None or w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float16) or w.stride(1) != 1
+            or flat.shape[0] > FUSED_MAX_ROWS or flat.dtype != torch.float32):
+        return None
+    flat = flat.contiguous()
+    n, k = w.shape
+    y = torch.empty(flat.shape[0], n)
+    lib.poot_gemv16(w.data_ptr(), w.stride(0), n, k, flat.data_ptr(), flat.shape[0], y.data_ptr(),
+                    int(w.dtype == torch.float16), torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], n)
 
 
 def tile_rows(in_features: int) -> int:
