@@ -43,6 +43,18 @@ class Family(ABC):
     # Every name this family serves: HF `architectures` entries, HF `model_type` values and GGUF
     # `general.architecture` values.
     architectures: tuple[str, ...] = ()
+    # The Hugging Face model_type whose conventions this family follows (one plugin class may serve several).
+    model_type: str = ""
+
+    def __init__(self, name: str | None = None, model_type: str | None = None,
+                 architectures: tuple[str, ...] | None = None) -> None:
+        """Subclasses may set these as class attributes instead; arguments given here win."""
+        if name is not None:
+            self.name = name
+        if model_type is not None:
+            self.model_type = model_type
+        if architectures is not None:
+            self.architectures = architectures
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         raise Unsupported(Reason.REGISTRY, f"{self.name} from a Hugging Face checkpoint",

@@ -104,6 +104,10 @@ class Tracer:
     def has_weight(self, name: str) -> bool:
         return name in self._weight_shapes
 
+    def optional_weight(self, name: str) -> Value | None:
+        """The weight when the checkpoint has it (a bias, an optional norm), else None."""
+        return self.weight(name) if self.has_weight(name) else None
+
     def state(self, name: str, shape: tuple[int, ...], kind: str) -> Value:
         self.graph.state[name] = StateSpec(name, shape, kind)
         return Value(f"s:{name}", shape, "state")

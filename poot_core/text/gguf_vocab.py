@@ -458,15 +458,7 @@ def _bpe_tokenizer(
     meta: _Metadata,
 ) -> tokenizers.Tokenizer:
     vocab = {text: i for i, text in enumerate(tokens)}
-    pairs: list[tuple[str, str]] = []
-    for index, line in enumerate(merges):
-        cut = line.find(" ", 1)
-        left, right = (line[:cut], line[cut + 1 :]) if cut > 0 else (line, "")
-        if left not in vocab or right not in vocab or left + right not in vocab:
-            raise meta.bad(
-                "tokenizer.ggml.merges", f"merge {index} {line!r} names a token not in the vocabulary"
-            )
-        pairs.append((left, right))
+    pairs = _merge_pairs(tokens, merges, meta)
     model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
     tokenizer = tokenizers.Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

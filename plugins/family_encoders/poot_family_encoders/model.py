@@ -23,9 +23,6 @@ def weight_prefix(names: set[str] | Tracer) -> str:
     raise KeyError("embeddings.word_embeddings.weight")
 
 
-def _w(t: Tracer, name: str) -> Value | None:
-    return t.weight(name) if t.has_weight(name) else None
-
 
 def trace_encoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
     if not shape.hidden:
@@ -44,10 +41,10 @@ def trace_encoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
     emb = pre + "embeddings."
     x = t.embed(t.weight(emb + "word_embeddings.weight"), tokens)  # [R, T, D]
     x = t.add(x, t.embed(t.weight(emb + "position_embeddings.weight"), positions))
-    types = _w(t, emb + "token_type_embeddings.weight")
+    types = t.optional_weight(emb + "token_type_embeddings.weight")
     if types is not None:
         x = t.add(x, t.embed(types, token_types))
-    x = t.layer_norm(x, t.weight(emb + "LayerNorm.weight"), _w(t, emb + "LayerNorm.bias"), p.norm_eps)
+    x = t.layer_norm(x, t.weight(emb + "LayerNorm.weight"), t.optional_weight(emb + "LayerNorm.bias"), p.norm_eps)
     for i in range(p.layers):
         x = _block(t, p, f"{pre}encoder.layer.{i}.", x, mask, R, T)
     t.output(x)
@@ -55,10 +52,10 @@ def trace_encoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
 
 def _block(t: Tracer, p: EncoderParams, pre: str, x: Value, mask: Value, R: int, T: int) -> Value:
     def dense(name: str, h: Value) -> Value:
-        return t.linear(h, t.weight(pre + name + ".weight"), _w(t, pre + name + ".bias"))
+        return t.linear(h, t.weight(pre + name + ".weight"), t.optional_weight(pre + name + ".bias"))
 
     def norm(name: str, h: Value) -> Value:
-        return t.layer_norm(h, t.weight(pre + name + ".weight"), _w(t, pre + name + ".bias"), p.norm_eps)
+        return t.layer_norm(h, t.weight(pre + name + ".weight"), t.optional_weight(pre + name + ".bias"), p.norm_eps)
 
     def heads(h: Value) -> Value:
         return t.reshape(h, (R, T, p.heads, p.head_dim))

@@ -18,8 +18,7 @@ class Encoder(Family):
     """One encoder family; instances differ by name and the names they serve."""
 
     def __init__(self, name: str, architectures: tuple[str, ...]) -> None:
-        self.name = name
-        self.architectures = architectures
+        super().__init__(name, architectures=architectures)
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return model_config(self.name, hf)

@@ -10,10 +10,6 @@ from poot_core import ModelConfig, StepShape, Tracer, Value
 from poot_family_llama.config import DecoderParams
 
 
-def _w(t: Tracer, name: str) -> Value | None:
-    return t.weight(name) if t.has_weight(name) else None
-
-
 def trace_decoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
     p: DecoderParams = cfg.params
     R, T = shape.rows, shape.tokens
@@ -34,7 +30,7 @@ def trace_decoder(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
             m = t.rms_norm(m, t.weight(pre + "post_feedforward_layernorm.weight"), p.norm_eps, p.norm_offset)
         x = t.add(x, m)
     x = t.rms_norm(x, t.weight("model.norm.weight"), p.norm_eps, p.norm_offset)
-    head = _w(t, "lm_head.weight") or t.weight("model.embed_tokens.weight")
+    head = t.optional_weight("lm_head.weight") or t.weight("model.embed_tokens.weight")
     t.finish(x, head, p.final_softcap)
 
 
@@ -43,7 +39,7 @@ def _attention(t: Tracer, p: DecoderParams, i: int, h: Value, positions: Value, 
     R, T = shape.rows, shape.tokens
 
     def project(name: str, heads: int) -> Value:
-        y = t.linear(h, t.weight(pre + name + ".weight"), _w(t, pre + name + ".bias"))
+        y = t.linear(h, t.weight(pre + name + ".weight"), t.optional_weight(pre + name + ".bias"))
         return t.reshape(y, (R, T, heads, p.head_dim))
 
     q, k, v = project("q_proj", p.heads), project("k_proj", p.kv_heads), project("v_proj", p.kv_heads)
@@ -56,10 +52,11 @@ def _attention(t: Tracer, p: DecoderParams, i: int, h: Value, positions: Value, 
     o = t.attention(q, k, v, positions, layer=i, capacity=shape.capacity, scale=p.attn_scale,
                     window=p.layer_window[i], softcap=p.attn_softcap)  # [R, T, H, Dh]
     o = t.reshape(o, (R, T, p.heads * p.head_dim))
-    return t.linear(o, t.weight(pre + "o_proj.weight"), _w(t, pre + "o_proj.bias"))
+    return t.linear(o, t.weight(pre + "o_proj.weight"), t.optional_weight(pre + "o_proj.bias"))
 
 
 def _mlp(t: Tracer, p: DecoderParams, pre: str, h: Value) -> Value:
-    gate = t.linear(h, t.weight(pre + "gate_proj.weight"), _w(t, pre + "gate_proj.bias"))
-    up = t.linear(h, t.weight(pre + "up_proj.weight"), _w(t, pre + "up_proj.bias"))
-    return t.linear(t.gated(gate, up, p.act), t.weight(pre + "down_proj.weight"), _w(t, pre + "down_proj.bias"))
+    gate = t.linear(h, t.weight(pre + "gate_proj.weight"), t.optional_weight(pre + "gate_proj.bias"))
+    up = t.linear(h, t.weight(pre + "up_proj.weight"), t.optional_weight(pre + "up_proj.bias"))
+    down = t.weight(pre + "down_proj.weight")
+    return t.linear(t.gated(gate, up, p.act), down, t.optional_weight(pre + "down_proj.bias"))

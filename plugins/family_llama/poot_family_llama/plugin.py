@@ -32,11 +32,6 @@ BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 class DenseDecoder(Family):
     """One dense decoder family; instances differ by name, the names they serve and small quirks."""
 
-    def __init__(self, name: str, model_type: str, architectures: tuple[str, ...]) -> None:
-        self.name = name
-        self.model_type = model_type
-        self.architectures = architectures
-
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         p = params_from_hf(hf, self.model_type)
         arch = (hf.get("architectures") or [hf.get("model_type", self.name)])[0]

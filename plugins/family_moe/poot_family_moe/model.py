@@ -11,10 +11,6 @@ from poot_core import ModelConfig, StepShape, Tracer, Value
 from poot_family_moe.config import MoeParams
 
 
-def _w(t: Tracer, name: str) -> Value | None:
-    return t.weight(name) if t.has_weight(name) else None
-
-
 def trace_moe(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
     p: MoeParams = cfg.params
     R, T = shape.rows, shape.tokens
@@ -35,7 +31,7 @@ def trace_moe(cfg: ModelConfig, t: Tracer, shape: StepShape) -> None:
         m = _experts(t, p, pre, h) if sparse else _mlp(t, pre + "mlp.", h)
         x = t.add(x, m)
     x = t.rms_norm(x, t.weight("model.norm.weight"), p.norm_eps)
-    head = _w(t, "lm_head.weight") or t.weight("model.embed_tokens.weight")
+    head = t.optional_weight("lm_head.weight") or t.weight("model.embed_tokens.weight")
     t.finish(x, head)
 
 
@@ -44,7 +40,7 @@ def _attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Value, shap
     R, T = shape.rows, shape.tokens
 
     def project(name: str, heads: int) -> Value:
-        y = t.linear(h, t.weight(pre + name + ".weight"), _w(t, pre + name + ".bias"))
+        y = t.linear(h, t.weight(pre + name + ".weight"), t.optional_weight(pre + name + ".bias"))
         return t.reshape(y, (R, T, heads, p.head_dim))
 
     q, k, v = project("q_proj", p.heads), project("k_proj", p.kv_heads), project("v_proj", p.kv_heads)
@@ -57,7 +53,7 @@ def _attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Value, shap
         q, k, v, positions, layer=i, capacity=shape.capacity, scale=p.attn_scale, window=p.windows[i]
     )  # [R, T, H, Dh]
     o = t.reshape(o, (R, T, p.heads * p.head_dim))
-    return t.linear(o, t.weight(pre + "o_proj.weight"), _w(t, pre + "o_proj.bias"))
+    return t.linear(o, t.weight(pre + "o_proj.weight"), t.optional_weight(pre + "o_proj.bias"))
 
 
 def _latent_attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Value, shape: StepShape) -> Value:
@@ -66,13 +62,13 @@ def _latent_attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Valu
     lat = p.latent
     assert lat is not None
     if lat.q_rank:  # low-rank query: q_a, its norm, q_b
-        q = t.linear(h, t.weight(pre + "q_a_proj.weight"), _w(t, pre + "q_a_proj.bias"))
+        q = t.linear(h, t.weight(pre + "q_a_proj.weight"), t.optional_weight(pre + "q_a_proj.bias"))
         q = t.rms_norm(q, t.weight(pre + "q_a_layernorm.weight"), p.norm_eps)
         q = t.linear(q, t.weight(pre + "q_b_proj.weight"))
     else:
         q = t.linear(h, t.weight(pre + "q_proj.weight"))
     q = t.reshape(q, (R, T, p.heads, lat.nope_dim + lat.rope_dim))
-    kv = t.linear(h, t.weight(pre + "kv_a_proj_with_mqa.weight"), _w(t, pre + "kv_a_proj_with_mqa.bias"))
+    kv = t.linear(h, t.weight(pre + "kv_a_proj_with_mqa.weight"), t.optional_weight(pre + "kv_a_proj_with_mqa.bias"))
     o = t.mla_attention(
         q,
         kv,
@@ -91,7 +87,7 @@ def _latent_attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Valu
         scaling=p.scaling,
     )  # [R, T, H, v_dim]
     o = t.reshape(o, (R, T, p.heads * lat.v_dim))
-    return t.linear(o, t.weight(pre + "o_proj.weight"), _w(t, pre + "o_proj.bias"))
+    return t.linear(o, t.weight(pre + "o_proj.weight"), t.optional_weight(pre + "o_proj.bias"))
 
 
 def _mlp(t: Tracer, pre: str, h: Value, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Value:
@@ -128,7 +124,7 @@ def _experts(t: Tracer, p: MoeParams, pre: str, h: Value) -> Value:
         groups=r.groups,
         topk_groups=r.topk_groups,
         group_score=r.group_score,
-        bias=_w(t, pre + "gate.e_score_correction_bias"),
+        bias=t.optional_weight(pre + "gate.e_score_correction_bias"),
         shared=shared,
         shared_gate=shared_gate,
     )

@@ -47,11 +47,6 @@ GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama:moe
 
 
 class MoeDecoder(Family):
-    def __init__(self, name: str, model_type: str, architectures: tuple[str, ...]) -> None:
-        self.name = name
-        self.model_type = model_type
-        self.architectures = architectures
-
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         model_type = str(hf.get("model_type") or self.model_type)
         if model_type not in MODEL_TYPES:
