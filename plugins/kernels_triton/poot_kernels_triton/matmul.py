@@ -13,6 +13,28 @@ from .launch import cdiv, check_dims, check_float, check_same_device, launch, re
 from .splitk import choose_split, finish_split, split_buffers, steps_per_split
 from .tuning import Tile, Tuning, tuning_for_device
 
+
+@triton.jit
+def gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask):
+    """One [BLOCK_M, BLOCK_K] tile of the activations, zeros past the edges (shared by the GEMM kernels)."""
+    return tl.load(
+        x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+        mask=mmask[:, None] & kmask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS: tl.constexpr):
+    """The float32 accumulator (plus the bias) into its output tile, in the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        o_ptr + offs_m[:, None].to(tl.int64) * o_stride + offs_n[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
+
 GEMV_MAX_ROWS = 4  # up to this many rows, weights are streamed once per row (bandwidth bound anyway)
 
 
@@ -84,11 +106,7 @@ def _gemm_kernel(
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-            mask=mmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
+        a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
         b = tl.load(
             w_ptr + offs_n[None, :].to(tl.int64) * w_stride + offs_k[:, None],
             mask=nmask[None, :] & kmask[:, None],
@@ -100,13 +118,7 @@ def _gemm_kernel(
         else:
             b = b.to(a.dtype)
         acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        o_ptr + offs_m[:, None].to(tl.int64) * o_stride + offs_n[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=mmask[:, None] & nmask[None, :],
-    )
+    gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 
 def gemv_tile(

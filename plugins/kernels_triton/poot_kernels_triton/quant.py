@@ -15,7 +15,7 @@ from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear, gemv_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, dense_linear, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
 from .splitk import finish_split
 from .tuning import tuning_for_device
 
@@ -250,24 +250,14 @@ def _gguf_gemm_kernel(
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-            mask=mmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
+        a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
         b = _dequant_gguf(rows, offs_k[:, None], nmask[None, :] & kmask[:, None], QTYPE)  # [BLOCK_K, BLOCK_N]
         if UPCAST:
             a = a.to(tl.float32)
         else:
             b = b.to(a.dtype)
         acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        o_ptr + offs_m[:, None].to(tl.int64) * o_stride + offs_n[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=mmask[:, None] & nmask[None, :],
-    )
+    gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 
 def gguf_linear(
@@ -464,11 +454,7 @@ def _gptq_gemm_kernel(
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-            mask=mmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
+        a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
         b = _dequant_gptq(
             qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k[:, None], offs_n[None, :], kmask[:, None] & nmask[None, :],
             qw_stride, qz_stride, s_stride, ZERO_OFFSET,
@@ -478,13 +464,7 @@ def _gptq_gemm_kernel(
         else:
             b = b.to(a.dtype)
         acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        o_ptr + offs_m[:, None].to(tl.int64) * o_stride + offs_n[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=mmask[:, None] & nmask[None, :],
-    )
+    gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 
 def gptq_linear(
