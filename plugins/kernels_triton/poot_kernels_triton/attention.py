@@ -21,6 +21,26 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST: tl.constexpr):
+    """Keys as [BLOCK_D, BLOCK_N] (ready for q @ k) and values as [BLOCK_N, BLOCK_D] at `kv_pos`, zeros where
+    masked; widened to float32 when UPCAST."""
+    k = tl.load(
+        k_base + kv_pos[None, :].to(tl.int64) * k_stride_p + offs_d[:, None],
+        mask=kv_mask[None, :] & dmask[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_base + kv_pos[:, None].to(tl.int64) * v_stride_p + offs_d[None, :],
+        mask=kv_mask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """q @ k scaled, soft-capped when asked, in the log2 domain."""
     s = tl.dot(q, k) * scale
@@ -89,19 +109,7 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
-        k = tl.load(
-            k_base + kv_pos[None, :].to(tl.int64) * k_stride_p + offs_d[:, None],
-            mask=kv_mask[None, :] & dmask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + kv_pos[:, None].to(tl.int64) * v_stride_p + offs_d[None, :],
-            mask=kv_mask[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
         visible = kv_mask[None, :]
         if CAUSAL:
@@ -276,19 +284,7 @@ def _decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < hi
-        k = tl.load(
-            k_base + kv_pos[None, :].to(tl.int64) * k_stride_p + offs_d[:, None],
-            mask=kv_mask[None, :] & dmask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + kv_pos[:, None].to(tl.int64) * v_stride_p + offs_d[None, :],
-            mask=kv_mask[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
         s = tl.where(kv_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
