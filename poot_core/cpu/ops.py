@@ -110,15 +110,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
               k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
               softcap: float | None) -> torch.Tensor:
     """q [R, T, Hq, D]; k, v [R, T, Hkv, D]; caches [R, Hkv, C, D]; positions [R, T] consecutive per row."""
+    from poot_core.cpu.decode_attention import attend_few
+
     rows, tokens, heads, _ = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
+    starts = [int(p) for p in positions[:, 0]]
+    for r, start in enumerate(starts):
+        k_cache[r, :, start : start + tokens] = k[r].transpose(0, 1)
+        v_cache[r, :, start : start + tokens] = v[r].transpose(0, 1)
+    few = attend_few(q, positions, k_cache, v_cache, scale, window, softcap)  # decode: a C kernel
+    if few is not None:
+        return few
     outs = []
-    for r in range(rows):
-        start = int(positions[r, 0])
+    for r, start in enumerate(starts):
         end = start + tokens
-        k_cache[r, :, start:end] = k[r].transpose(0, 1)
-        v_cache[r, :, start:end] = v[r].transpose(0, 1)
         first = 0 if window is None else max(0, start - window + 1)
         keys, values = k_cache[r, :, first:end], v_cache[r, :, first:end]  # [Hkv, S, D]
         qr = q[r].transpose(0, 1)  # [Hq, T, D]

@@ -9,7 +9,7 @@ Routes:
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
-Set POOT_CPU_KERNELS=0 to force the torch route.
+Set POOT_CPU_KERNELS=0 to force the torch route. The C library is built by poot_core.cpu.c_kernels.
 
 `fast=True` is an explicit, less exact option for the 4-bit GGUF types with an affine form (Q4_0, Q4_1, Q4_K):
 their codes are re-laid once, losslessly, into torch's packed int4 CPU format (same 4 bits per weight) and the
@@ -21,20 +21,14 @@ product runs in torch's int4 kernel with bfloat16 activations and scales (about 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import threading
 import weakref
-from pathlib import Path
 
 import torch
 
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
 from poot_core.checkpoint.quant import gguf_blocks as gb
+from poot_core.cpu.c_kernels import kernels
 
 TILE_BYTES = 4 << 20
 # Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
@@ -372,68 +366,18 @@ void poot_gemv16(const uint16_t *w, int64_t row_elems, int64_t n, int64_t k, con
 """
 
 _TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-_lib: ctypes.CDLL | None = None
-_lib_tried = False
-_lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("POOT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "poot"
-    )
-    return Path(root) / "kernels"
-
-
-def _machine_key() -> str:
-    try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _build() -> ctypes.CDLL | None:
-    """Compile C_SOURCE once per source and machine (-march=native), cache the library, load it."""
-    tag = hashlib.sha256((C_SOURCE + _machine_key()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"packed_linear_{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
-            src.write_text(C_SOURCE)
-            cc = os.environ.get("CC", "cc")
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(out, target)  # atomic: a parallel builder ends with the same file
-    lib = ctypes.CDLL(str(target))
+def declare(lib: ctypes.CDLL) -> None:
+    """The argument types of this module's C functions (called by poot_core.cpu.c_kernels once it loads them)."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.poot_gemv.argtypes = [i32, p, i64, i64, i64, p, i64, p, p, i32]
-    lib.poot_gemv.restype = None
     lib.poot_dequant.argtypes = [i32, p, i64, i64, i64, p, i32]
-    lib.poot_dequant.restype = None
     lib.poot_gemv_k.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
-    lib.poot_gemv_k.restype = None
     lib.poot_dequant_k.argtypes = [i32, p, i64, i64, i64, p, i32]
-    lib.poot_dequant_k.restype = None
     lib.poot_gemv16.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
-    lib.poot_gemv16.restype = None
-    return lib
-
-
-def kernels() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they are disabled or cannot be built (then torch does the work)."""
-    global _lib, _lib_tried
-    if os.environ.get("POOT_CPU_KERNELS", "1") == "0":
-        return None
-    if not _lib_tried:
-        with _lock:
-            if not _lib_tried:
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError):
-                    _lib = None
-                _lib_tried = True
-    return _lib
+    for fn in (lib.poot_gemv, lib.poot_dequant, lib.poot_gemv_k, lib.poot_dequant_k, lib.poot_gemv16):
+        fn.restype = None
 
 
 _plans: weakref.WeakKeyDictionary[PackedWeight, tuple[int, int, int, int, int]] = weakref.WeakKeyDictionary()

@@ -1,0 +1,88 @@
+"""The CPU's C attention kernel for a few queries per row, against attention written out in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from poot_core.cpu import ops
+from poot_core.cpu.c_kernels import kernels
+from poot_core.cpu.decode_attention import attend_few
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler: the torch route is the only route")
+
+
+def reference(q, positions, k_cache, v_cache, scale, window, softcap):
+    """Per query: scores against the kept keys, softcap, softmax and the weighted values, in float64."""
+    rows, tokens, heads, _ = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(rows, tokens, heads, v_cache.shape[-1], dtype=torch.float64)
+    for r in range(rows):
+        for t in range(tokens):
+            p = int(positions[r, t])
+            first = 0 if window is None else max(0, p - window + 1)
+            for h in range(heads):
+                keys = k_cache[r, h // group, first : p + 1].double()
+                scores = keys @ q[r, t, h].double() * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[r, t, h] = torch.softmax(scores, 0) @ v_cache[r, h // group, first : p + 1].double()
+    return out
+
+
+@pytest.mark.parametrize("rows,tokens,heads,kv_heads,dk,dv,window,softcap", [
+    (1, 1, 9, 3, 64, 64, None, None),     # SmolLM2's decode step
+    (2, 1, 4, 4, 32, 32, None, None),     # two requests at different positions, no grouping
+    (1, 3, 8, 2, 16, 24, None, None),     # a few queries (speculative) and values wider than keys
+    (1, 1, 4, 1, 20, 20, 5, None),        # a sliding window, a head size that is not a multiple of 16
+    (3, 2, 6, 2, 64, 64, 7, 30.0),        # window and gemma-style soft-capping together
+])
+def test_matches_float64_attention(rows, tokens, heads, kv_heads, dk, dv, window, softcap):
+    g = torch.Generator().manual_seed(rows * 100 + tokens * 10 + heads)
+    capacity = 300
+    k_cache = torch.randn(rows, kv_heads, capacity, dk, generator=g)
+    v_cache = torch.randn(rows, kv_heads, capacity, dv, generator=g)
+    q = torch.randn(rows, tokens, heads, dk, generator=g) * 2
+    starts = torch.tensor([17, 250, 1][:rows])
+    positions = starts[:, None] + torch.arange(tokens)[None, :]
+    scale = 1 / math.sqrt(dk)
+    ours = attend_few(q, positions, k_cache, v_cache, scale, window, softcap)
+    assert ours is not None
+    ref = reference(q, positions, k_cache, v_cache, scale, window, softcap)
+    assert (ours.double() - ref).abs().max().item() < 2e-6
+
+
+def test_large_scores_do_not_overflow():
+    """The softmax subtracts the largest score first: scores far beyond float32's exp range still work."""
+    k_cache = torch.randn(1, 1, 64, 16)
+    v_cache = torch.randn(1, 1, 64, 16)
+    q = torch.randn(1, 1, 2, 16) * 1000
+    positions = torch.tensor([[63]])
+    ours = attend_few(q, positions, k_cache, v_cache, 1.0, None, None)
+    ref = reference(q, positions, k_cache, v_cache, 1.0, None, None)
+    assert torch.isfinite(ours).all()
+    assert (ours.double() - ref).abs().max().item() < 1e-5
+
+
+def test_ops_attention_writes_the_cache_and_agrees_with_torch(monkeypatch):
+    """ops.attention takes the kernel for decode; with the kernels off it takes torch's route: same answer."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 1, 6, 32, generator=g) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    positions = torch.tensor([[40], [9]])
+    caches = [torch.randn(2, 2, 64, 32, generator=g) for _ in range(2)]
+    fast = ops.attention(q, k, v, positions, caches[0].clone(), caches[1].clone(), 0.2, None, None)
+    monkeypatch.setenv("POOT_CPU_KERNELS", "0")
+    kc, vc = caches[0].clone(), caches[1].clone()
+    slow = ops.attention(q, k, v, positions, kc, vc, 0.2, None, None)
+    assert torch.equal(kc[0, :, 40], k[0, 0]) and torch.equal(vc[1, :, 9], v[1, 0])
+    assert (fast - slow).abs().max().item() < 1e-5
+
+
+def test_prefill_and_odd_inputs_are_left_to_torch():
+    k_cache = torch.zeros(1, 2, 32, 16)
+    assert attend_few(torch.zeros(1, 8, 4, 16), torch.arange(8)[None], k_cache, k_cache, 1.0, None, None) is None
+    half = k_cache.to(torch.bfloat16)
+    assert attend_few(torch.zeros(1, 1, 4, 16), torch.tensor([[3]]), half, half, 1.0, None, None) is None
