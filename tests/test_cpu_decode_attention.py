@@ -48,10 +48,23 @@ def test_matches_float64_attention(rows, tokens, heads, kv_heads, dk, dv, window
     starts = torch.tensor([17, 250, 1][:rows])
     positions = starts[:, None] + torch.arange(tokens)[None, :]
     scale = 1 / math.sqrt(dk)
-    ours = attend_few(q, positions, k_cache, v_cache, scale, window, softcap)
+    k = torch.randn(rows, tokens, kv_heads, dk, generator=g)
+    v = torch.randn(rows, tokens, kv_heads, dv, generator=g)
+    k_ref, v_ref = written(k_cache, k, positions), written(v_cache, v, positions)
+    ours = attend_few(q, k, v, positions, k_cache, v_cache, scale, window, softcap)
     assert ours is not None
-    ref = reference(q, positions, k_cache, v_cache, scale, window, softcap)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    ref = reference(q, positions, k_ref, v_ref, scale, window, softcap)
     assert (ours.double() - ref).abs().max().item() < 2e-6
+
+
+def written(cache, new, positions):
+    """The cache with the step's keys (or values) [R, T, Hkv, D] put at their positions, by plain indexing."""
+    out = cache.clone()
+    for r in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            out[r, :, int(positions[r, t])] = new[r, t]
+    return out
 
 
 def test_large_scores_do_not_overflow():
@@ -60,7 +73,10 @@ def test_large_scores_do_not_overflow():
     v_cache = torch.randn(1, 1, 64, 16)
     q = torch.randn(1, 1, 2, 16) * 1000
     positions = torch.tensor([[63]])
-    ours = attend_few(q, positions, k_cache, v_cache, 1.0, None, None)
+    ref_caches = k_cache.clone(), v_cache.clone()
+    ours = attend_few(q, k_cache[:, :, 63:64].transpose(1, 2), v_cache[:, :, 63:64].transpose(1, 2), positions,
+                      k_cache, v_cache, 1.0, None, None)
+    assert torch.equal(k_cache, ref_caches[0]) and torch.equal(v_cache, ref_caches[1])
     ref = reference(q, positions, k_cache, v_cache, 1.0, None, None)
     assert torch.isfinite(ours).all()
     assert (ours.double() - ref).abs().max().item() < 1e-5
@@ -83,6 +99,10 @@ def test_ops_attention_writes_the_cache_and_agrees_with_torch(monkeypatch):
 
 def test_prefill_and_odd_inputs_are_left_to_torch():
     k_cache = torch.zeros(1, 2, 32, 16)
-    assert attend_few(torch.zeros(1, 8, 4, 16), torch.arange(8)[None], k_cache, k_cache, 1.0, None, None) is None
+    new = torch.ones(1, 8, 2, 16)
+    assert attend_few(torch.zeros(1, 8, 4, 16), new, new, torch.arange(8)[None], k_cache, k_cache, 1.0, None,
+                      None) is None
+    assert k_cache.abs().sum() == 0  # refused before writing anything
     half = k_cache.to(torch.bfloat16)
-    assert attend_few(torch.zeros(1, 1, 4, 16), torch.tensor([[3]]), half, half, 1.0, None, None) is None
+    assert attend_few(torch.zeros(1, 1, 4, 16), new[:, :1], new[:, :1], torch.tensor([[3]]), half, half, 1.0, None,
+                      None) is None

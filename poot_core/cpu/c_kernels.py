@@ -1,9 +1,9 @@
 """The CPU executor's C kernels: one shared library, built at first use with the system C compiler.
 
 The C text lives beside the Python that calls it (packed_linear for matrix products from packed or 16-bit
-weights, decode_attention for attention over the cache). Here it is joined, compiled once per source text and
-machine (-march=native, OpenMP) into a cached library, and loaded. Where there is no compiler, or
-POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route instead.
+weights, decode_attention for attention over the cache, small_ops for norms and rope). Here it is joined,
+compiled once per source text and machine (-march=native, OpenMP) into a cached library, and loaded. Where
+there is no compiler, or POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route instead.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def _machine_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from poot_core.cpu import decode_attention, packed_linear  # they import this module at load time
+    from poot_core.cpu import decode_attention, packed_linear, small_ops  # they import this module at load time
 
-    source = packed_linear.C_SOURCE + decode_attention.C_SOURCE
+    parts = (packed_linear, decode_attention, small_ops)
+    source = "".join(part.C_SOURCE for part in parts)
     tag = hashlib.sha256((source + _machine_key()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels_{tag}.so"
     if not target.exists():
@@ -53,8 +54,8 @@ def _build() -> ctypes.CDLL:
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             os.replace(out, target)  # atomic: a parallel builder ends with the same file
     lib = ctypes.CDLL(str(target))
-    packed_linear.declare(lib)
-    decode_attention.declare(lib)
+    for part in parts:
+        part.declare(lib)
     return lib
 
 

@@ -22,6 +22,7 @@ MAX_QUERIES = 4
 C_SOURCE = r"""
 #include <math.h>
 #include <omp.h>
+#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -83,14 +84,21 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
     return total;
 }
 
-/* out[R, T, Hq, Dv] = softmax(scale * q . k) v, q [R, T, Hq, Dk], caches [R, Hkv, C, Dk|Dv] (contiguous),
-   positions [R, T]. Query t of row r sees the keys at max(0, p - window + 1) .. p, p = positions[r, t]
+/* Writes the step's keys and values k [R, T, Hkv, Dk], v [R, T, Hkv, Dv] into the caches [R, Hkv, C, Dk|Dv]
+   (contiguous) at their positions [R, T], then out[R, T, Hq, Dv] = softmax(scale * q . k) v for
+   q [R, T, Hq, Dk]. Query t of row r sees the keys at max(0, p - window + 1) .. p, p = positions[r, t]
    (window <= 0: no window); softcap > 0 applies softcap * tanh(score / softcap). scratch: [threads, C]. */
-void poot_attend_few(const float *q, int64_t rows, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dk,
-                     int64_t dv, const float *k_cache, const float *v_cache, int64_t capacity,
+void poot_attend_few(const float *q, const float *k, const float *v, int64_t rows, int64_t tokens, int64_t heads,
+                     int64_t kv_heads, int64_t dk, int64_t dv, float *k_cache, float *v_cache, int64_t capacity,
                      const int64_t *positions, float scale, int64_t window, float softcap, float *out,
                      float *scratch, int threads) {
     const int64_t units = rows * tokens * heads, group = heads / kv_heads;
+    for (int64_t rt = 0; rt < rows * tokens; rt++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = ((rt / tokens) * kv_heads + g) * capacity + positions[rt];
+            memcpy(k_cache + at * dk, k + (rt * kv_heads + g) * dk, sizeof(float) * (size_t)dk);
+            memcpy(v_cache + at * dv, v + (rt * kv_heads + g) * dv, sizeof(float) * (size_t)dv);
+        }
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = 0; u < units; u++) {
         float *s = scratch + (int64_t)omp_get_thread_num() * capacity;
@@ -120,27 +128,29 @@ void poot_attend_few(const float *q, int64_t rows, int64_t tokens, int64_t heads
 def declare(lib: ctypes.CDLL) -> None:
     """The argument types of this module's C function (called by poot_core.cpu.c_kernels once it loads them)."""
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.poot_attend_few.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64, p, f32, i64, f32, p, p, ctypes.c_int]
+    lib.poot_attend_few.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, p, i64, p, f32, i64, f32, p, p,
+                                    ctypes.c_int]
     lib.poot_attend_few.restype = None
 
 
-def attend_few(q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
-    """q [R, T, Hq, Dk] float32 with its keys and values already in the caches [R, Hkv, C, D]; positions [R, T].
-    Returns [R, T, Hq, Dv], or None where the kernel does not apply (then the caller uses torch)."""
+def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
+    """Writes k, v [R, T, Hkv, D] into the caches [R, Hkv, C, D] at positions [R, T], then attends q [R, T, Hq, Dk]
+    over the kept keys. Returns [R, T, Hq, Dv], or None where the kernel does not apply, having written
+    nothing (then the caller uses torch)."""
     lib = kernels()
     rows, tokens, heads, dk = q.shape
-    if (lib is None or tokens > MAX_QUERIES or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or v_cache.dtype != torch.float32 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-            or heads % k_cache.shape[1] != 0):
+    f32 = torch.float32
+    if (lib is None or tokens > MAX_QUERIES or any(t.dtype != f32 for t in (q, k, v, k_cache, v_cache))
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or heads % k_cache.shape[1] != 0):
         return None
     kv_heads, capacity, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    q = q.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     pos = positions.to(torch.int64).contiguous()
     threads = torch.get_num_threads()
     out = torch.empty(rows, tokens, heads, dv)
     scratch = torch.empty(threads, capacity)
-    lib.poot_attend_few(q.data_ptr(), rows, tokens, heads, kv_heads, dk, dv, k_cache.data_ptr(), v_cache.data_ptr(),
-                        capacity, pos.data_ptr(), scale, window or 0, softcap or 0.0, out.data_ptr(),
-                        scratch.data_ptr(), threads)
+    lib.poot_attend_few(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows, tokens, heads, kv_heads, dk, dv,
+                        k_cache.data_ptr(), v_cache.data_ptr(), capacity, pos.data_ptr(), scale, window or 0,
+                        softcap or 0.0, out.data_ptr(), scratch.data_ptr(), threads)
     return out

@@ -14,8 +14,9 @@ import psutil
 import torch
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
-from poot_core.cpu import fusion, ops
+from poot_core.cpu import fusion, ops, small_ops
 from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
+from poot_core.cpu.packed_linear import few_rows_product
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, require_ops
 from poot_core.graph import Graph, Node
@@ -41,6 +42,11 @@ class CpuProgram:
             for i in group:
                 if i != min(group):  # computed by the group's runner already
                     bound[i] = lambda e, s, out=graph.nodes[i].output: e[out]
+        for i, node in enumerate(graph.nodes[:-1]):
+            after = graph.nodes[i + 1]
+            if i not in bound and i + 1 not in bound and _add_then_norm(node, after):
+                bound[i] = _bind_add_norm(node, after, weights)
+                bound[i + 1] = lambda e, s, out=after.output: e[out]  # computed by the add already
         self._steps = [(node.output, bound.get(i) or _bind(node, weights)) for i, node in enumerate(graph.nodes)]
         # After each step, the values no later step reads: dropping them lets torch reuse their memory.
         last_read: dict[str, int] = {}
@@ -61,6 +67,31 @@ class CpuProgram:
                 for name in dead:
                     env.pop(name, None)
         return [env[name] for name in self.graph.outputs]
+
+
+def _add_then_norm(add: Node, norm: Node) -> bool:
+    """A residual add of two computed values whose sum an RMSNorm reads next (each transformer block has two)."""
+    return (add.op == "add" and norm.op == "rms_norm" and norm.inputs[0] == add.output
+            and not any(name.startswith(("w:", "s:")) for name in add.inputs))
+
+
+def _bind_add_norm(add: Node, norm: Node, weights: dict[str, Weight]) -> StepFn:
+    """The add's step function, which leaves the norm's output in the environment too (one C call for both at
+    decode; torch for prefill)."""
+    x_name, y_name = add.inputs
+    scale = weights[norm.inputs[1][2:]].float() + norm.attrs["offset"]
+    eps, out = norm.attrs["eps"], norm.output
+
+    def add_norm(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+        xv, yv = e[x_name], _dense(e[y_name])
+        done = small_ops.add_rms_norm(xv, yv, scale, eps)
+        if done is None:
+            total = xv + yv
+            done = total, ops.rms_norm(total, scale, eps)
+        e[out] = done[1]
+        return done[0]
+
+    return add_norm
 
 
 def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
@@ -95,7 +126,13 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
     if op == "rms_norm":
         x, _ = args
         scale = get(node.inputs[1]).float() + a["offset"]  # a small vector: float32 once, offset applied
-        return lambda e, s: ops.rms_norm(x(e, s), scale, a["eps"])
+
+        def rms_norm(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+            xv = x(e, s)
+            done = small_ops.add_rms_norm(xv, None, scale, a["eps"])  # a few tokens: one C call
+            return done[1] if done is not None else ops.rms_norm(xv, scale, a["eps"])
+
+        return rms_norm
     if op == "layer_norm":
         x, w, b = args
         return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), a["eps"])
@@ -121,6 +158,15 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
                 return y if bias is None else y + bias
 
             return linear16
+        product = few_rows_product(weight) if isinstance(weight, PackedWeight) and node.inputs[2] == "" else None
+        if product is not None:  # decode: the C kernel with its plan made once
+
+            def packed(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+                xv = x(e, s)
+                y = product(xv)
+                return y if y is not None else ops.linear(xv, weight)
+
+            return packed
         return lambda e, s: ops.linear(x(e, s), w(e, s), b(e, s))
     if op == "reshape":
         (x,) = args
@@ -131,11 +177,17 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
         key = f"rope:{node.inputs[1]}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}:{style}"
 
         def rope(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
-            table = e.get(key)  # computed once per step, shared by every layer with the same rope
+            angles = e.get(key)  # computed once per step, shared by every layer with the same rope
+            if angles is None:
+                angles = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
+            xv = x(e, s)
+            done = small_ops.rope(xv, *angles, interleaved=style != "neox")  # a few tokens: one C call
+            if done is not None:
+                return done
+            table = e.get(key + ":table")
             if table is None:
-                cos, sin = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
-                table = e[key] = ops.rope_step_table(cos, sin, style)
-            return ops.rope_with(x(e, s), table, style)
+                table = e[key + ":table"] = ops.rope_step_table(*angles, style)
+            return ops.rope_with(xv, table, style)
 
         return rope
     if op == "attention":

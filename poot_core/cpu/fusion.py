@@ -18,6 +18,7 @@ import torch
 from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
 from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
+from poot_core.cpu.packed_linear import few_rows_product
 from poot_core.graph import Node
 
 HALF = (torch.bfloat16, torch.float16)
@@ -92,6 +93,7 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
     outputs = [n.output for n in nodes]
     half = isinstance(joined, torch.Tensor) and joined.dtype in HALF
     key = f"{runner.inputs[0]}:{joined.dtype}" if isinstance(joined, torch.Tensor) else ""
+    product = few_rows_product(joined) if isinstance(joined, PackedWeight) else None
 
     def run(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
         if half:
@@ -101,7 +103,10 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
                 xs = e[key] = xv.to(joined.dtype)
             y = ops.linear16(xv, joined, xs)
         else:
-            y = ops.linear(arg(e, s), joined)
+            xv = arg(e, s)
+            y = product(xv) if product is not None else None  # decode: the C kernel, its plan made once
+            if y is None:
+                y = ops.linear(xv, joined)
         mine = None
         for name, piece in zip(outputs, y.split(sizes, dim=-1), strict=True):
             if name == runner.output:

@@ -115,13 +115,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     rows, tokens, heads, _ = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
+    few = attend_few(q, k, v, positions, k_cache, v_cache, scale, window, softcap)  # decode: a C kernel
+    if few is not None:
+        return few
     starts = [int(p) for p in positions[:, 0]]
     for r, start in enumerate(starts):
         k_cache[r, :, start : start + tokens] = k[r].transpose(0, 1)
         v_cache[r, :, start : start + tokens] = v[r].transpose(0, 1)
-    few = attend_few(q, positions, k_cache, v_cache, scale, window, softcap)  # decode: a C kernel
-    if few is not None:
-        return few
     outs = []
     for r, start in enumerate(starts):
         end = start + tokens

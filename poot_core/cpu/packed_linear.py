@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -420,6 +421,36 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
         dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
         out[:, start : start + rows] = flat @ buffer[:rows].T
     return out
+
+
+def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+    """For a weight the C kernel reads, a function of float32 x [..., in] giving x @ W^T with the per-call
+    lookups and checks of packed_linear done once, here (they cost more than a small decode product). It
+    returns None for more than FUSED_MAX_ROWS rows, and the caller uses packed_linear."""
+    if not uses_c_kernel(w):
+        return None
+    lib = kernels()
+    assert lib is not None  # uses_c_kernel checked it
+    type_id, address, row_bytes, n, nb = _plan(w)
+    in_features = w.shape[1]
+
+    def product(x: torch.Tensor) -> torch.Tensor | None:
+        flat = x.reshape(-1, in_features)
+        m = flat.shape[0]
+        if m > FUSED_MAX_ROWS or flat.dtype != torch.float32:
+            return None
+        flat = flat.contiguous()
+        y = torch.empty(m, n)
+        if type_id >= 3:
+            lib.poot_gemv_k(type_id, address, row_bytes, n, nb, flat.data_ptr(), m, y.data_ptr(),
+                            torch.get_num_threads())
+        else:
+            xsum = torch.empty(m, nb)
+            lib.poot_gemv(type_id, address, row_bytes, n, nb, flat.data_ptr(), m, y.data_ptr(), xsum.data_ptr(),
+                          torch.get_num_threads())
+        return y.reshape(*x.shape[:-1], n)
+
+    return product
 
 
 def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
