@@ -84,22 +84,10 @@ static inline void values(int type, const uint8_t *b, float *v) {
 }
 
 #ifdef __AVX512F__
-/* The 32 values of one block times x, folded to 16 lanes (before the block's scale). */
-static inline __m512 block_dot(int type, const uint8_t *blk, const float *xb) {
-    __m512 lo, hi;
-    if (type == 2) {
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-    } else {
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
-        __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
-        if (type == 0) {
-            l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
-            h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
-        }
-        lo = _mm512_cvtepi32_ps(l);
-        hi = _mm512_cvtepi32_ps(h);
-    }
+/* The 32 values of one Q8_0 block times x, folded to 16 lanes (before the block's scale). */
+static inline __m512 q8_block_dot(const uint8_t *blk, const float *xb) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
     return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
 }
 #endif
@@ -109,20 +97,38 @@ static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, c
 #ifdef __AVX512F__
     /* Two accumulators so consecutive blocks do not wait on each other's multiply-add. */
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    float macc = 0.0f;
+    if (type != 2) {
+        /* 4-bit codes become floats through a 16-entry table (one permute, which reads only the index's low
+           4 bits, so the low nibble needs no mask); the block's f16 scale (and Q4_1's minimum) convert together. */
+        const __m512 table = type == 0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                       : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m128 macc = _mm_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * size;
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
+            __m512 lo = _mm512_permutexvar_ps(q, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+            const float *xb = x + b * 32;
+            __m512 v = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+            int32_t dm;
+            memcpy(&dm, blk, 4);
+            __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(type == 1 ? dm : dm & 0xffff)); /* d, m */
+            if (b & 1) acc1 = _mm512_fmadd_ps(_mm512_broadcastss_ps(scales), v, acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_broadcastss_ps(scales), v, acc0);
+            if (type == 1) macc = _mm_fmadd_ss(_mm_movehdup_ps(scales), _mm_load_ss(xsum + b), macc);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(macc);
+    }
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         const uint8_t *b0 = row + b * size, *b1 = b0 + size;
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), block_dot(type, b0, x + b * 32), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b1)), block_dot(type, b1, x + b * 32 + 32), acc1);
-        if (type == 1) macc += f16(b0 + 2) * xsum[b] + f16(b1 + 2) * xsum[b + 1];
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), q8_block_dot(b0, x + b * 32), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b1)), q8_block_dot(b1, x + b * 32 + 32), acc1);
     }
     for (; b < nb; b++) {
         const uint8_t *b0 = row + b * size;
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), block_dot(type, b0, x + b * 32), acc0);
-        if (type == 1) macc += f16(b0 + 2) * xsum[b];
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), q8_block_dot(b0, x + b * 32), acc0);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + macc;
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #else
     float acc = 0.0f, v[32];
     for (int64_t b = 0; b < nb; b++) {
