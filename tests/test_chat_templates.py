@@ -469,3 +469,32 @@ def test_message_cannot_open_a_turn_with_the_real_smollm2_tokenizer():
             return_dict=False,
             add_generation_prompt=True,
         )
+
+
+def test_chat_encoding_leaves_the_shared_tokenizer_alone_for_other_threads():
+    """encode_segments reads message text with special tokens as plain text; another thread encoding with the
+    same tokenizer at that moment must still see its special tokens as tokens."""
+    import threading
+
+    from poot_core import ModelHandle
+
+    tok = ModelHandle.load(smollm.gguf_path()).text().tokenizer
+    end = tok.token_to_id("<|im_end|>")
+    rendered = compile_template(smollm2_template()).render([{"role": "user", "content": EVIL * 20}],
+                                                           bos_token="<|im_start|>", eos_token="<|im_end|>")
+    done = threading.Event()
+    wrong: list[list[int]] = []
+
+    def chat_loop() -> None:
+        for _ in range(150):
+            encode_segments(tok, rendered.segments)
+        done.set()
+
+    worker = threading.Thread(target=chat_loop)
+    worker.start()
+    while not done.is_set():
+        ids = tok.encode("<|im_end|>", add_special_tokens=False).ids
+        if ids != [end]:
+            wrong.append(ids)
+    worker.join()
+    assert not wrong, f"{len(wrong)} plain encodes saw the special token as text"

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -481,23 +483,41 @@ def encode_segments(
         run.append(piece[last:])
     pieces.append(("".join(run), False))
 
-    previous = tokenizer.encode_special_tokens
-    try:
-        tokenizer.encode_special_tokens = False
-        newline = tokenizer.encode("\n", add_special_tokens=False).ids
-        ids: list[int] = []
-        for i, (piece, plain) in enumerate(pieces):
-            if piece:
-                ids.extend(_encode_piece(tokenizer, piece, plain, i > 0, newline, added_ids))
-    finally:
-        tokenizer.encode_special_tokens = previous
+    modes = _modes(tokenizer)
+    newline = modes[False].encode("\n", add_special_tokens=False).ids
+    ids: list[int] = []
+    for i, (piece, plain) in enumerate(pieces):
+        if piece:
+            ids.extend(_encode_piece(modes, piece, plain, i > 0, newline, added_ids))
     return ids
 
 
+_MODES: weakref.WeakKeyDictionary[tokenizers.Tokenizer, dict[bool, tokenizers.Tokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+_MODES_LOCK = threading.Lock()
+
+
+def _modes(tokenizer: tokenizers.Tokenizer) -> dict[bool, tokenizers.Tokenizer]:
+    """Two private copies of a tokenizer: {False: special tokens match as usual, True: they read as text}.
+    Copies, made once per tokenizer, so the shared one is never changed while another thread encodes with it."""
+    with _MODES_LOCK:
+        modes = _MODES.get(tokenizer)
+        if modes is None:
+            modes = {}
+            for plain in (False, True):
+                copy = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+                copy.encode_special_tokens = plain
+                modes[plain] = copy
+            _MODES[tokenizer] = modes
+        return modes
+
+
 def _encode_piece(
-    tokenizer: tokenizers.Tokenizer, piece: str, plain: bool, inside: bool, newline: list[int], added_ids: set[int]
+    modes: dict[bool, tokenizers.Tokenizer], piece: str, plain: bool, inside: bool, newline: list[int],
+    added_ids: set[int]
 ) -> list[int]:
-    tokenizer.encode_special_tokens = plain
+    tokenizer = modes[plain]
     ids: list[int] | None = None
     if inside and newline:
         behind = tokenizer.encode("\n" + piece, add_special_tokens=False).ids
@@ -508,7 +528,7 @@ def _encode_piece(
     if plain and len(piece) > 1 and any(i in added_ids for i in ids):
         # encode_special_tokens only unmatches *special* added tokens; a non-special one (say "<think>") still
         # matches, so cut the spelling until no added token can form.
-        return _encode_piece(tokenizer, piece[:1], True, inside, newline, added_ids) + _encode_piece(
-            tokenizer, piece[1:], True, True, newline, added_ids
+        return _encode_piece(modes, piece[:1], True, inside, newline, added_ids) + _encode_piece(
+            modes, piece[1:], True, True, newline, added_ids
         )
     return ids
