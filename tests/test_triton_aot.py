@@ -66,6 +66,11 @@ def record_all_launches() -> list:
                 torch.zeros(4, 256, dtype=torch.float16),
                 torch.zeros(512, dtype=torch.int32),
             )
+        from poot_kernels_triton.moe import FusedExperts
+
+        expert = (torch.zeros(768, 2048, dtype=bf), torch.zeros(768, 2048, dtype=bf), torch.zeros(2048, 768, dtype=bf))
+        FusedExperts([expert] * 4).run(torch.zeros(1, 2048, dtype=bf), torch.zeros(1, 2, dtype=torch.int64),
+                                       torch.zeros(1, 2), "silu")
         logits = torch.zeros(2, 32000)
         ktr.greedy(logits)
         ktr.sample(logits, torch.zeros(2), temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)

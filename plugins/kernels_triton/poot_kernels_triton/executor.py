@@ -51,10 +51,6 @@ TRITON_OPS = frozenset(
         "layer_norm",
     }
 )
-# Ops whose binding reads device values on the host (moe: tokens per expert; mla_attention: each row's
-# start position for the expanded latent): a step holding one cannot be captured as a CUDA graph, so it
-# runs eagerly.
-HOST_SYNC_OPS = frozenset({"moe", "mla_attention", "encoder_attention"})
 # Kept free beyond weights and KV: activations, graph pools, the allocator's slack.
 HEADROOM = 1 << 30
 
@@ -128,9 +124,11 @@ class TritonExecutor:
                 f"the GPU has {free / 2**30:.2f} GiB free after the weights; lower the capacity",
             )
         self._act_dtype = weights.act_dtype
-        steps = Binder(graph, weights, self._rope_tables, self.name).bind_all()
-        syncs = any(node.op in HOST_SYNC_OPS for node in graph.nodes)
-        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1 and not syncs
+        binder = Binder(graph, weights, self._rope_tables, self.name)
+        steps = binder.bind_all()
+        # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
+        # latent attention's start positions) runs eagerly; the others are captured as CUDA graphs
+        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
@@ -180,4 +178,4 @@ class TritonExecutor:
         return tables
 
 
-__all__ = ["HEADROOM", "HOST_SYNC_OPS", "TRITON_OPS", "TritonExecutor"]
+__all__ = ["HEADROOM", "TRITON_OPS", "TritonExecutor"]

@@ -1,19 +1,148 @@
-"""Mixture of experts on the device: routing in plain torch ops, each chosen expert's gated MLP through the
-package's `linear` (dense, GGUF or GPTQ weights alike).
+"""Mixture of experts on the device: routing in plain torch ops, then the chosen experts' gated MLPs.
 
-Tokens are grouped by expert (one stable sort of the (token, slot) choices) so an expert runs once over all
-the tokens that chose it and an expert nobody chose costs nothing. Grouping needs the per-expert counts on
-the host: one device-to-host copy per moe op, so graphs holding `moe` are not captured as CUDA graphs.
+Two routes for the experts:
+- fused (a few tokens, dense 16-bit experts): two kernels over every (token, chosen expert) pair at once, each
+  program finding its expert's weights through a table of addresses on the device. No value crosses to the
+  host, so a decode step holding `moe` can be captured as a CUDA graph, and only the chosen experts' weights
+  are read: decode cost follows the active parameters.
+- grouped (prefill, or packed experts): tokens grouped by expert (one stable sort of the (token, slot)
+  choices) so an expert runs once over all the tokens that chose it through the package's `linear` (dense,
+  GGUF or GPTQ alike) and an expert nobody chose costs nothing. Grouping needs the per-expert counts on the
+  host: one device-to-host copy per moe op.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
 
-from .activation import gated_activation
+from .activation import ACTIVATIONS, _tanh, gated_activation
+from .launch import cdiv, launch
 from .quant import linear
+from .tuning import Tile, tuning_for_device
+
+# Up to this many tokens per moe op the fused route runs (decode and short speculative steps).
+FUSED_MAX_TOKENS = 4
+_WEIGHT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, ids_ptr, gate_table, up_table, h_ptr, d, inter, x_stride, slots,
+    W_TYPE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[pair, n] = act(x[token] . gate_e[n]) * (x[token] . up_e[n]) for one (token, slot) pair and a tile of
+    n, with e the expert the pair chose; gate_e, up_e [inter, d] found through the address tables."""
+    pair = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < inter
+    token = pair // slots
+    expert = tl.load(ids_ptr + pair)
+    gate_ptr = tl.load(gate_table + expert).to(tl.pointer_type(W_TYPE))
+    up_ptr = tl.load(up_table + expert).to(tl.pointer_type(W_TYPE))
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, d, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < d
+        x = tl.load(x_ptr + token * x_stride + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        at = offs_n[:, None].to(tl.int64) * d + offs_k[None, :]
+        wmask = nmask[:, None] & kmask[None, :]
+        g = tl.load(gate_ptr + at, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        u = tl.load(up_ptr + at, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc_g += tl.sum(g * x[None, :], axis=1)
+        acc_u += tl.sum(u * x[None, :], axis=1)
+    if ACT == 0:
+        a = acc_g * tl.sigmoid(acc_g)
+    else:
+        a = 0.5 * acc_g * (1.0 + _tanh(0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)))
+    tl.store(h_ptr + pair * inter + offs_n, a * acc_u, mask=nmask)
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, ids_ptr, weights_ptr, down_table, y_ptr, d, inter,
+    W_TYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[pair, n] = weight[pair] * (h[pair] . down_e[n]) for a tile of n; down_e [d, inter]."""
+    pair = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < d
+    expert = tl.load(ids_ptr + pair)
+    down_ptr = tl.load(down_table + expert).to(tl.pointer_type(W_TYPE))
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < inter
+        h = tl.load(h_ptr + pair * inter + offs_k, mask=kmask, other=0.0)
+        w = tl.load(
+            down_ptr + offs_n[:, None].to(tl.int64) * inter + offs_k[None, :],
+            mask=nmask[:, None] & kmask[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        ).to(tl.float32)
+        acc += tl.sum(w * h[None, :], axis=1)
+    tl.store(y_ptr + pair * d + offs_n, acc * tl.load(weights_ptr + pair), mask=nmask)
+
+
+class FusedExperts:
+    """Dense 16-bit experts prepared for the fused route: three device tables of weight addresses (the
+    weights stay where they are; the tables hold no copy of them)."""
+
+    def __init__(self, experts: list[Expert]) -> None:
+        gate, up, down = experts[0]
+        assert isinstance(gate, torch.Tensor) and isinstance(down, torch.Tensor)
+        self.inter, self.d = gate.shape
+        self.dtype = gate.dtype
+        self.keep = experts  # the tables point into these tensors: keep them alive
+        self.tables = [
+            torch.tensor([e[i].data_ptr() for e in experts], dtype=torch.int64, device=gate.device) for i in range(3)
+        ]
+
+    @staticmethod
+    def suits(experts: list[Expert]) -> bool:
+        """Every expert dense, of one dtype, gate/up [inter, d] and down [d, inter] with contiguous rows."""
+        first = experts[0][0]
+        if not isinstance(first, torch.Tensor) or first.dim() != 2 or first.dtype not in _WEIGHT_TYPES:
+            return False
+        inter, d = first.shape
+        for gate, up, down in experts:
+            for w, shape in ((gate, (inter, d)), (up, (inter, d)), (down, (d, inter))):
+                if (not isinstance(w, torch.Tensor) or w.dtype != first.dtype or tuple(w.shape) != shape
+                        or w.stride() != (shape[1], 1) or w.device != first.device):
+                    return False
+        return True
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: str) -> torch.Tensor:
+        """x [N, D] (activation dtype); ids, weights [N, k] -> float32 [N, D]."""
+        n_tokens, slots = ids.shape
+        pairs = n_tokens * slots
+        ids = ids.reshape(-1).contiguous()
+        weights = weights.reshape(-1).float().contiguous()
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        h = torch.empty(pairs, self.inter, dtype=torch.float32, device=x.device)
+        y = torch.empty(pairs, self.d, dtype=torch.float32, device=x.device)
+        tuning = tuning_for_device(x.device)
+        small = tuning.backend == "interpreter"
+        block_n, block_k = (16, 64) if small else (16, 256)
+        tile = Tile(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
+        w_type = _WEIGHT_TYPES[self.dtype]
+        gate_table, up_table, down_table = self.tables
+        launch(
+            _moe_gate_up_kernel, (cdiv(self.inter, block_n), pairs), tile,
+            x_ptr=x, ids_ptr=ids, gate_table=gate_table, up_table=up_table, h_ptr=h, d=self.d, inter=self.inter,
+            x_stride=x.stride(0), slots=slots, W_TYPE=w_type, ACT=ACTIVATIONS[act], BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )  # fmt: skip
+        launch(
+            _moe_down_kernel, (cdiv(self.d, block_n), pairs), tile,
+            h_ptr=h, ids_ptr=ids, weights_ptr=weights, down_table=down_table, y_ptr=y, d=self.d,
+            inter=self.inter, W_TYPE=w_type, BLOCK_N=block_n, BLOCK_K=block_k,
+        )  # fmt: skip
+        return y.view(n_tokens, slots, self.d).sum(dim=1)
 
 
 def router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
@@ -47,4 +176,4 @@ def run_experts(
     return out
 
 
-__all__ = ["choose_experts", "experts_of", "router_logits", "run_experts"]
+__all__ = ["FUSED_MAX_TOKENS", "FusedExperts", "choose_experts", "experts_of", "router_logits", "run_experts"]

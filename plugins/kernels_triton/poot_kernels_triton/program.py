@@ -64,6 +64,8 @@ class Binder:
         self.w = weights
         self.act = weights.act_dtype
         self.rope_tables = rope_tables
+        # set by a binding that reads device values on the host: such a step cannot be a CUDA graph
+        self.host_syncs = False
         self.users: dict[str, int] = {}
         for node in graph.nodes:
             for name in node.inputs:
@@ -390,13 +392,22 @@ class Binder:
         if isinstance(gate, torch.Tensor) and gate.dim() == 1:  # some files store the shared gate as [D]
             gate = gate.view(1, -1)
         experts = moe.experts_of([self.weight(n) for n in node.inputs[5:]], int(a["experts"]), bool(a["stacked"]))
+        tokens = self.graph.shape.rows * self.graph.shape.tokens
+        fused = None
+        if tokens <= moe.FUSED_MAX_TOKENS and moe.FusedExperts.suits(experts):
+            fused = moe.FusedExperts(experts)  # decode: every chosen expert at once, nothing read on the host
+        else:
+            self.host_syncs = True  # grouped by expert: the counts per expert cross to the host
 
         def run(s: Step) -> None:
             x = _rows(s.env[x_name])
             if x.dtype != act:
                 x = x.to(act)
             ids, weights = moe.choose_experts(moe.router_logits(x, router), bias, attrs)
-            y = moe.run_experts(x, ids, weights, experts, attrs["act"])
+            if fused is not None:
+                y = fused.run(x, ids, weights, attrs["act"])
+            else:
+                y = moe.run_experts(x, ids, weights, experts, attrs["act"])
             extra = shared(s)
             if extra is not None:
                 extra = _rows(extra).float()
@@ -411,6 +422,7 @@ class Binder:
         """The expanded form: the cache holds the normed latent and the rotated rope key per token; each
         step expands the cached latent with kv_b through `linear` into per-head keys and values, then runs
         the flash-attention kernel per row. Reads the rows' start positions on the host (no CUDA graph)."""
+        self.host_syncs = True  # reads each row's start or length on the host
         a = node.attrs
         if a["style"] not in ROPE_STYLES:
             raise Unsupported(Reason.OPERATION, f"rope:{a['style']}", f"rope styles {sorted(ROPE_STYLES)}")
@@ -463,6 +475,7 @@ class Binder:
         """Bidirectional attention over each row's real tokens. A mask that is a run of ones then padding
         (how batches are padded) goes through the flash-attention kernel with the row's length; any other
         mask falls back to torch's attention with the mask."""
+        self.host_syncs = True  # reads each row's start or length on the host
         q_name, k_name, v_name, mask_name = node.inputs
         scale, out, shape = float(node.attrs["scale"]), node.output, node.shape
 

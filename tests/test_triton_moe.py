@@ -1,0 +1,59 @@
+"""The fused mixture-of-experts kernels (decode) against the grouped route, which runs each chosen expert
+through the package's tested `linear` and activation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
+
+from poot_kernels_triton import moe  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_experts(count, d, inter, dtype, stacked, gen):
+    def make(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.2).to(dtype).to(DEVICE)
+
+    if stacked:  # one [E, ...] tensor per projection, as GGUF stores them; experts are views into it
+        gate, up, down = make(count, inter, d), make(count, inter, d), make(count, d, inter)
+        return [(gate[e], up[e], down[e]) for e in range(count)]
+    return [(make(inter, d), make(inter, d), make(d, inter)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("tokens,slots,dtype,act,stacked", [
+    (1, 2, torch.float32, "silu", False),
+    (3, 4, torch.bfloat16, "silu", True),
+    (4, 1, torch.float16, "gelu_tanh", False),
+])
+def test_fused_experts_match_the_grouped_route(tokens, slots, dtype, act, stacked):
+    gen = torch.Generator().manual_seed(tokens * 10 + slots)
+    count, d, inter = 6, 80, 48  # not multiples of the tiles: the edges are masked
+    experts = random_experts(count, d, inter, dtype, stacked, gen)
+    assert moe.FusedExperts.suits(experts)
+    x = torch.randn(tokens, d, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.stack([torch.randperm(count, generator=gen)[:slots] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, slots, generator=gen).to(DEVICE)
+    ours = moe.FusedExperts(experts).run(x, ids, weights, act)
+    ref = moe.run_experts(x.float(), ids, weights, [tuple(w.float() for w in e) for e in experts], act)
+    assert ours.dtype == torch.float32 and ours.shape == (tokens, d)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_packed_or_mismatched_experts_take_the_grouped_route():
+    gen = torch.Generator().manual_seed(0)
+    experts = random_experts(3, 32, 16, torch.float32, False, gen)
+    assert not moe.FusedExperts.suits([experts[0], (experts[1][0], experts[1][1], experts[1][1])])  # down shape
+    strided = torch.randn(16, 64, generator=gen).to(DEVICE)[:, ::2]
+    assert not moe.FusedExperts.suits([(strided, experts[0][1], experts[0][2])])  # rows not contiguous
+    from poot_core import PackedWeight
+
+    packed = PackedWeight("gguf", (16, 32), {"blocks": torch.zeros(16, 34, dtype=torch.uint8)}, {"type": "Q8_0"})
+    assert not moe.FusedExperts.suits([(packed, packed, packed)])
