@@ -195,13 +195,14 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device o
 
 
 @gpu
+@pytest.mark.parametrize("chunk", [5, 1])  # 5: the grouped route; 1: the fused route in replayed CUDA graphs
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_moe_and_latent_attention_match_cpu_on_the_gpu(moe_checkpoint, arch):
+def test_moe_and_latent_attention_match_cpu_on_the_gpu(moe_checkpoint, arch, chunk):
     """The same ops on a real GPU (f32 matrix products run in tf32 there, hence the looser bound)."""
     from poot_backend_cuda.executor import CudaExecutor
 
     handle = ModelHandle.load(moe_checkpoint(arch))
-    opts = DriverOptions(capacity=32, prefill_chunk=5)
+    opts = DriverOptions(capacity=32, prefill_chunk=chunk)
     ref = Driver(handle, open_executor("cpu"), opts).logits(PROMPT)
     ours = Driver(handle, CudaExecutor(), opts).logits(PROMPT)
     per_position = np.abs(ours - ref).max(-1) / np.abs(ref).max()
