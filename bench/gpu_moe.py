@@ -47,7 +47,8 @@ QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
 )
 SMOKE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+             num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+             num_experts_per_tok=2)
 
 
 def log(*args: Any) -> None:

@@ -17,6 +17,35 @@ import tempfile
 import threading
 from pathlib import Path
 
+# Included once, before every part: the headers and the helpers more than one part uses.
+PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* exp(x) for 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (about
+   2 ulp, as vectorized exp libraries are); inputs below -104 give 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f),
+                                _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+"""
+
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _lock = threading.Lock()
@@ -41,7 +70,7 @@ def _build() -> ctypes.CDLL:
     from poot_core.cpu import decode_attention, packed_linear, small_ops  # they import this module at load time
 
     parts = (packed_linear, decode_attention, small_ops)
-    source = "".join(part.C_SOURCE for part in parts)
+    source = PRELUDE + "".join(part.C_SOURCE for part in parts)
     tag = hashlib.sha256((source + _machine_key()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels_{tag}.so"
     if not target.exists():

@@ -20,12 +20,6 @@ from poot_core.cpu.c_kernels import kernels
 MAX_QUERIES = 4
 
 C_SOURCE = r"""
-#include <math.h>
-#include <omp.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -50,28 +44,15 @@ static inline void axpy_f32(float *o, float w, const float *v, int64_t n) {
     for (; i < n; i++) o[i] += w * v[i];
 }
 
-/* s[i] = exp(s[i] - top) for i < n, returning the sum. The vector path computes 2^(x log2 e) as 2^k * p(f)
-   with f in [-0.5, 0.5] and a degree-6 polynomial (about 2 ulp, as vectorized exp libraries do); the
-   scalar tail uses expf. */
+/* s[i] = exp(s[i] - top) for i < n, returning the sum (exp16 of the prelude; expf for the tail). */
 static inline float exp_shifted(float *s, int64_t n, float top) {
     int64_t i = 0;
     float total = 0.0f;
 #ifdef __AVX512F__
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), t = _mm512_set1_ps(top);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693145751953125f), ln2_lo = _mm512_set1_ps(1.428606765330187e-06f);
+    const __m512 t = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), t), _mm512_set1_ps(-104.0f));
-        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x)); /* x - k ln2, |r| <= ln2 / 2 */
-        __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        __m512 e = _mm512_scalef_ps(p, k); /* p * 2^k; underflows to 0 for very negative x */
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), t));
         _mm512_storeu_ps(s + i, e);
         sum = _mm512_add_ps(sum, e);
     }
