@@ -1,7 +1,7 @@
 """The CPU executor's C kernels: one shared library, built at first use with the system C compiler.
 
 The C text lives beside the Python that calls it (packed_linear for matrix products from packed or 16-bit
-weights, decode_attention for attention over the cache, small_ops for norms and rope). Here it is joined,
+weights, c_attention for attention over the cache, small_ops for norms and rope). Here it is joined,
 compiled once per source text and machine (-march=native, OpenMP) into a cached library, and loaded. Where
 there is no compiler, or POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route instead.
 """
@@ -67,9 +67,9 @@ def _machine_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from poot_core.cpu import decode_attention, packed_linear, small_ops  # they import this module at load time
+    from poot_core.cpu import c_attention, packed_linear, small_ops  # they import this module at load time
 
-    parts = (packed_linear, decode_attention, small_ops)
+    parts = (packed_linear, c_attention, small_ops)
     source = PRELUDE + "".join(part.C_SOURCE for part in parts)
     tag = hashlib.sha256((source + _machine_key()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels_{tag}.so"

@@ -110,7 +110,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
               k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int | None,
               softcap: float | None) -> torch.Tensor:
     """q [R, T, Hq, D]; k, v [R, T, Hkv, D]; caches [R, Hkv, C, D]; positions [R, T] consecutive per row."""
-    from poot_core.cpu.decode_attention import attend_few
+    from poot_core.cpu.c_attention import attend_blocks, attend_few
 
     rows, tokens, heads, _ = q.shape
     kv_heads = k.shape[2]
@@ -122,6 +122,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     for r, start in enumerate(starts):
         k_cache[r, :, start : start + tokens] = k[r].transpose(0, 1)
         v_cache[r, :, start : start + tokens] = v[r].transpose(0, 1)
+    blocks = attend_blocks(q, positions, k_cache, v_cache, scale, window, softcap)  # prefill: a C kernel
+    if blocks is not None:
+        return blocks
     outs = []
     for r, start in enumerate(starts):
         end = start + tokens

@@ -1,4 +1,5 @@
-"""The CPU's C attention kernel for a few queries per row, against attention written out in float64."""
+"""The CPU's C attention kernels (a few queries per row; blocks of queries), against attention written out in
+float64."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from poot_core.cpu import ops
+from poot_core.cpu.c_attention import attend_blocks, attend_few
 from poot_core.cpu.c_kernels import kernels
-from poot_core.cpu.decode_attention import attend_few
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler: the torch route is the only route")
 
@@ -106,3 +107,29 @@ def test_prefill_and_odd_inputs_are_left_to_torch():
     half = k_cache.to(torch.bfloat16)
     assert attend_few(torch.zeros(1, 1, 4, 16), new[:, :1], new[:, :1], torch.tensor([[3]]), half, half, 1.0, None,
                       None) is None
+
+
+@pytest.mark.parametrize("rows,tokens,heads,kv_heads,d,start,window,softcap", [
+    (1, 130, 9, 3, 64, 0, None, None),   # a prompt from position 0: causal, grouped heads, a partial last tile
+    (2, 70, 4, 4, 32, 60, None, None),   # a later chunk: earlier keys are in the cache already
+    (1, 90, 6, 2, 64, 3, 20, None),      # a sliding window shorter than the chunk
+    (1, 23, 2, 1, 16, 150, 40, 25.0),    # window and soft-capping
+])
+def test_blocks_match_float64_attention(rows, tokens, heads, kv_heads, d, start, window, softcap):
+    g = torch.Generator().manual_seed(tokens + d)
+    capacity = 256
+    k_cache = torch.randn(rows, kv_heads, capacity, d, generator=g)
+    v_cache = torch.randn(rows, kv_heads, capacity, d, generator=g)
+    joined = torch.randn(rows, tokens, heads * d + 8, generator=g) * 2  # q as a view into a joined product
+    q = joined[..., : heads * d].reshape(rows, tokens, heads, d)
+    positions = torch.tensor([start, start + 11][:rows])[:, None] + torch.arange(tokens)[None, :]
+    scale = 1 / math.sqrt(d)
+    ours = attend_blocks(q, positions, k_cache, v_cache, scale, window, softcap)
+    assert ours is not None
+    ref = reference(q, positions, k_cache, v_cache, scale, window, softcap)
+    assert (ours.double() - ref).abs().max().item() < 2e-6
+
+
+def test_blocks_leave_odd_head_sizes_to_torch():
+    cache = torch.zeros(1, 1, 32, 20)
+    assert attend_blocks(torch.zeros(1, 8, 2, 20), torch.arange(8)[None], cache, cache, 1.0, None, None) is None
