@@ -26,17 +26,21 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
 
 
+def _copy_dir(dtype: torch.dtype) -> Path:
+    return CACHE / ("smollm2-f32" if dtype == torch.float32 else "smollm2-bf16")
+
+
 def safetensors_copy(dtype: torch.dtype) -> Path:
     """SmolLM2 as a Hugging Face safetensors checkpoint in float32 or bfloat16."""
-    name = "smollm2-f32" if dtype == torch.float32 else "smollm2-bf16"
-    target = CACHE / name
+    target = _copy_dir(dtype)
     if (target / ".complete").exists():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / ".complete").exists():
-            _convert(target, dtype)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held once: the bfloat16 copy is made from the float32 one, in here
+        for needed in dict.fromkeys((torch.float32, dtype)):
+            if not (_copy_dir(needed) / ".complete").exists():
+                _convert(_copy_dir(needed), needed)
     return target
 
 
@@ -54,7 +58,7 @@ def _convert(target: Path, dtype: torch.dtype) -> None:
         model.save_pretrained(target)
         tf.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(target)
     else:
-        f32 = safetensors_copy(torch.float32)
+        f32 = _copy_dir(torch.float32)  # made first by safetensors_copy, under the same lock
         model = tf.AutoModelForCausalLM.from_pretrained(f32, dtype=torch.float32)
         model.to(torch.bfloat16).save_pretrained(target)
         for f in f32.iterdir():
