@@ -133,3 +133,19 @@ def test_blocks_match_float64_attention(rows, tokens, heads, kv_heads, d, start,
 def test_blocks_leave_odd_head_sizes_to_torch():
     cache = torch.zeros(1, 1, 32, 20)
     assert attend_blocks(torch.zeros(1, 8, 2, 20), torch.arange(8)[None], cache, cache, 1.0, None, None) is None
+
+
+@pytest.mark.parametrize("style,dim", [("neox", 32), ("interleaved", 32), ("neox", 16)])  # 16: partial rotary
+def test_rope_inside_the_call_equals_rope_before_it(style, dim):
+    g = torch.Generator().manual_seed(dim)
+    q, k, v = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 1, 2, 32, generator=g), torch.randn(2, 1, 2, 32)
+    positions = torch.tensor([[30], [7]])
+    caches = [torch.randn(2, 2, 48, 32, generator=g) for _ in range(2)]
+    cos, sin = ops.rope_tables(positions, 10000.0, dim, {})
+    kc, vc = caches[0].clone(), caches[1].clone()
+    fused = attend_few(q, k, v, positions, kc, vc, 0.3, None, None, rope=(cos, sin, style == "interleaved"))
+    kc2, vc2 = caches[0].clone(), caches[1].clone()
+    plain = attend_few(ops.rope(q, cos, sin, style), ops.rope(k, cos, sin, style), v, positions, kc2, vc2, 0.3,
+                       None, None)
+    assert torch.allclose(kc, kc2, atol=1e-6) and torch.equal(vc, vc2)  # the cache holds the rotated keys
+    assert torch.allclose(fused, plain, atol=1e-6)

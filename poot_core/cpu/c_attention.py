@@ -76,19 +76,30 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
 
 /* Writes the step's keys and values k [R, T, Hkv, Dk], v [R, T, Hkv, Dv] into the caches [R, Hkv, C, Dk|Dv]
    (contiguous) at their positions [R, T], then out[R, T, Hq, Dv] = softmax(scale * q . k) v for
-   q [R, T, Hq, Dk]. Query t of row r sees the keys at max(0, p - window + 1) .. p, p = positions[r, t]
+   q [R, T, Hq, Dk]. With cos_t, q and k are first rotated by rope (angles [R, T, half]; q_rotated: room for
+   q). Query t of row r sees the keys at max(0, p - window + 1) .. p, p = positions[r, t]
    (window <= 0: no window); softcap > 0 applies softcap * tanh(score / softcap). scratch: [threads, C]. */
 void poot_attend_few(const float *q, const float *k, const float *v, int64_t rows, int64_t tokens, int64_t heads,
                      int64_t kv_heads, int64_t dk, int64_t dv, float *k_cache, float *v_cache, int64_t capacity,
                      const int64_t *positions, float scale, int64_t window, float softcap, float *out,
-                     float *scratch, int threads) {
+                     float *scratch, int threads, const float *cos_t, const float *sin_t, int64_t half,
+                     int interleaved, float *q_rotated) {
     const int64_t units = rows * tokens * heads, group = heads / kv_heads;
-    for (int64_t rt = 0; rt < rows * tokens; rt++)
+    for (int64_t rt = 0; rt < rows * tokens; rt++) {
+        if (cos_t)  /* rope first (see rope_row): q into q_rotated, k straight into the cache below */
+            rope_row(q + rt * heads * dk, heads, dk, half, cos_t + rt * half, sin_t + rt * half, interleaved,
+                     q_rotated + rt * heads * dk);
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t at = ((rt / tokens) * kv_heads + g) * capacity + positions[rt];
-            memcpy(k_cache + at * dk, k + (rt * kv_heads + g) * dk, sizeof(float) * (size_t)dk);
+            if (cos_t)
+                rope_row(k + (rt * kv_heads + g) * dk, 1, dk, half, cos_t + rt * half, sin_t + rt * half, interleaved,
+                         k_cache + at * dk);
+            else
+                memcpy(k_cache + at * dk, k + (rt * kv_heads + g) * dk, sizeof(float) * (size_t)dk);
             memcpy(v_cache + at * dv, v + (rt * kv_heads + g) * dv, sizeof(float) * (size_t)dv);
         }
+    }
+    if (cos_t) q = q_rotated;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = 0; u < units; u++) {
         float *s = scratch + (int64_t)omp_get_thread_num() * capacity;
@@ -255,7 +266,7 @@ def declare(lib: ctypes.CDLL) -> None:
     """The argument types of this module's C function (called by poot_core.cpu.c_kernels once it loads them)."""
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.poot_attend_few.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, p, p, i64, p, f32, i64, f32, p, p,
-                                    ctypes.c_int]
+                                    ctypes.c_int, p, p, i64, ctypes.c_int, p]
     lib.poot_attend_few.restype = None
     lib.poot_attend_blocks.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64, p, f32, i64, f32, p, p,
                                        ctypes.c_int]
@@ -263,10 +274,12 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
+               v_cache: torch.Tensor, scale: float, window: int | None, softcap: float | None,
+               rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor | None:
     """Writes k, v [R, T, Hkv, D] into the caches [R, Hkv, C, D] at positions [R, T], then attends q [R, T, Hq, Dk]
-    over the kept keys. Returns [R, T, Hq, Dv], or None where the kernel does not apply, having written
-    nothing (then the caller uses torch)."""
+    over the kept keys. With `rope` (cos, sin [R, T, 1, half] as ops.rope_tables gives them, and whether pairs
+    are interleaved) q and k are rotated first, in the same call. Returns [R, T, Hq, Dv], or None where the
+    kernel does not apply, having written nothing (then the caller uses torch)."""
     lib = kernels()
     rows, tokens, heads, dk = q.shape
     f32 = torch.float32
@@ -279,9 +292,19 @@ def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     threads = torch.get_num_threads()
     out = torch.empty(rows, tokens, heads, dv)
     scratch = torch.empty(threads, capacity)
+    cos = sin = rotated = None
+    half, interleaved = 0, False
+    if rope is not None:
+        cos, sin, interleaved = rope
+        half = cos.shape[-1]
+        if cos.dtype != f32 or not cos.is_contiguous() or not sin.is_contiguous() or 2 * half > dk:
+            return None
+        rotated = torch.empty(q.shape)
     lib.poot_attend_few(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows, tokens, heads, kv_heads, dk, dv,
                         k_cache.data_ptr(), v_cache.data_ptr(), capacity, pos.data_ptr(), scale, window or 0,
-                        softcap or 0.0, out.data_ptr(), scratch.data_ptr(), threads)
+                        softcap or 0.0, out.data_ptr(), scratch.data_ptr(), threads,
+                        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), half,
+                        int(interleaved), None if rotated is None else rotated.data_ptr())
     return out
 
 

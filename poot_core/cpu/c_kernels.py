@@ -44,6 +44,24 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 #endif
+
+/* Rope for one token: its heads of head_dim values (x; out may lie elsewhere, even in the cache), the first
+   2 * half features of each rotated by (c, s): pairs (2i, 2i + 1) when interleaved, else (i, i + half); the
+   rest copied. */
+static void rope_row(const float *x, int64_t heads, int64_t head_dim, int64_t half, const float *c, const float *s,
+                     int interleaved, float *out) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *xh = x + h * head_dim;
+        float *oh = out + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+            const float a = xh[ia], b = xh[ib];
+            oh[ia] = a * c[i] - b * s[i];
+            oh[ib] = b * c[i] + a * s[i];
+        }
+        for (int64_t i = 2 * half; i < head_dim; i++) oh[i] = xh[i];
+    }
+}
 """
 
 # -falign-loops=32: where the linker happens to place a hot loop otherwise decides its speed (the bf16 GEMV

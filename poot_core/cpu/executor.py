@@ -47,11 +47,19 @@ class CpuProgram:
             if i not in bound and i + 1 not in bound and _add_then_norm(node, after):
                 bound[i] = _bind_add_norm(node, after, weights)
                 bound[i + 1] = lambda e, s, out=after.output: e[out]  # computed by the add already
+        reads = {i: node.inputs for i, node in enumerate(graph.nodes)}  # what each step reads, after fusions
+        for i, q_rope, k_rope in _roped_attention(graph):
+            if not {i, q_rope, k_rope} & bound.keys():
+                att, qn, kn = graph.nodes[i], graph.nodes[q_rope], graph.nodes[k_rope]
+                bound[i] = _bind_rope_attention(att, qn, kn)
+                bound[q_rope] = bound[k_rope] = lambda e, s: None  # rotated inside the attention step
+                reads[i] = (qn.inputs[0], kn.inputs[0], *att.inputs[2:])
+                reads[q_rope] = reads[k_rope] = ()
         self._steps = [(node.output, bound.get(i) or _bind(node, weights)) for i, node in enumerate(graph.nodes)]
         # After each step, the values no later step reads: dropping them lets torch reuse their memory.
         last_read: dict[str, int] = {}
-        for i, node in enumerate(graph.nodes):
-            for name in node.inputs:
+        for i in range(len(graph.nodes)):
+            for name in reads[i]:
                 last_read[name] = i
         keep = set(graph.outputs)
         self._dead: list[list[str]] = [[] for _ in graph.nodes]
@@ -67,6 +75,77 @@ class CpuProgram:
                 for name in dead:
                     env.pop(name, None)
         return [env[name] for name in self.graph.outputs]
+
+
+def _roped_attention(graph: Graph) -> list[tuple[int, int, int]]:
+    """(attention, q rope, k rope) node indices where attention reads two ropes of the same step positions that
+    nothing else reads: rotating q and k, writing the cache and attending can then be one C call at decode."""
+    made = {node.output: i for i, node in enumerate(graph.nodes)}
+    readers: dict[str, int] = {}
+    for node in graph.nodes:
+        for name in node.inputs:
+            readers[name] = readers.get(name, 0) + 1
+    found = []
+    for i, node in enumerate(graph.nodes):
+        if node.op != "attention":
+            continue
+        q_at, k_at = made.get(node.inputs[0]), made.get(node.inputs[1])
+        if q_at is None or k_at is None:
+            continue
+        qn, kn = graph.nodes[q_at], graph.nodes[k_at]
+        if (qn.op == kn.op == "rope" and qn.attrs == kn.attrs and qn.inputs[1] == kn.inputs[1] == node.inputs[3]
+                and readers[qn.output] == readers[kn.output] == 1):
+            found.append((i, q_at, k_at))
+    return found
+
+
+class _Rope:
+    """A rope node's rotation. Its angles are computed once per step (kept in the step's environment) and
+    shared by every layer with the same rope."""
+
+    def __init__(self, node: Node) -> None:
+        a = node.attrs
+        self.attrs, self.positions, self.style = a, node.inputs[1], a["style"]
+        self.key = f"rope:{self.positions}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}:{self.style}"
+
+    def angles(self, e: Env) -> tuple[torch.Tensor, torch.Tensor]:
+        found = e.get(self.key)
+        if found is None:
+            a = self.attrs
+            found = e[self.key] = ops.rope_tables(e[self.positions], a["theta"], a["dim"], a["scaling"])
+        return found
+
+    def rotate(self, e: Env, x: torch.Tensor) -> torch.Tensor:
+        cos_sin = self.angles(e)
+        done = small_ops.rope(x, *cos_sin, interleaved=self.style != "neox")  # one C call
+        if done is not None:
+            return done
+        table = e.get(self.key + ":table")
+        if table is None:
+            table = e[self.key + ":table"] = ops.rope_step_table(*cos_sin, self.style)
+        return ops.rope_with(x, table, self.style)
+
+
+def _bind_rope_attention(att: Node, q_rope: Node, k_rope: Node) -> StepFn:
+    """The attention step, rotating q and k itself: at decode one C call rotates both, writes the cache and
+    attends; otherwise the two ropes and the attention run as they would unfused."""
+    from poot_core.cpu.c_attention import attend_few
+
+    rope = _Rope(q_rope)
+    q_name, k_name, (v_name, pos_name, kc_name, vc_name) = q_rope.inputs[0], k_rope.inputs[0], att.inputs[2:]
+    a, interleaved = att.attrs, rope.style != "neox"
+
+    def rope_attention(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+        qv, kv, vv, pos = e[q_name], e[k_name], e[v_name], e[pos_name]
+        kc, vc = s[kc_name[2:]], s[vc_name[2:]]
+        done = attend_few(qv, kv, vv, pos, kc, vc, a["scale"], a["window"], a["softcap"],
+                          rope=(*rope.angles(e), interleaved))
+        if done is not None:
+            return done
+        return ops.attention(rope.rotate(e, qv), rope.rotate(e, kv), vv, pos, kc, vc, a["scale"], a["window"],
+                             a["softcap"])
+
+    return rope_attention
 
 
 def _add_then_norm(add: Node, norm: Node) -> bool:
@@ -172,24 +251,9 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
         (x,) = args
         return lambda e, s: x(e, s).reshape(node.shape)
     if op == "rope":
-        x, pos = args
-        style = a["style"]
-        key = f"rope:{node.inputs[1]}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}:{style}"
-
-        def rope(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
-            angles = e.get(key)  # computed once per step, shared by every layer with the same rope
-            if angles is None:
-                angles = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["dim"], a["scaling"])
-            xv = x(e, s)
-            done = small_ops.rope(xv, *angles, interleaved=style != "neox")  # a few tokens: one C call
-            if done is not None:
-                return done
-            table = e.get(key + ":table")
-            if table is None:
-                table = e[key + ":table"] = ops.rope_step_table(*angles, style)
-            return ops.rope_with(xv, table, style)
-
-        return rope
+        x, _ = args
+        rope = _Rope(node)
+        return lambda e, s: rope.rotate(e, x(e, s))
     if op == "attention":
         q, k, v, pos, kc, vc = args
         return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),

@@ -50,21 +50,6 @@ void poot_add_rms_norm(const float *x, const float *y, const float *w, int64_t r
                                               norm_out + r * n))
 }
 
-static void rope_row(const float *x, int64_t heads, int64_t head_dim, int64_t half, const float *c, const float *s,
-                     int interleaved, float *out) {
-    for (int64_t h = 0; h < heads; h++) {
-        const float *xh = x + h * head_dim;
-        float *oh = out + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-            const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-            const float a = xh[ia], b = xh[ib];
-            oh[ia] = a * c[i] - b * s[i];
-            oh[ib] = b * c[i] + a * s[i];
-        }
-        for (int64_t i = 2 * half; i < head_dim; i++) oh[i] = xh[i];
-    }
-}
-
 /* x: rows of heads * head_dim values, x_stride apart (a view into a joined q/k/v product); out [rows, heads,
    head_dim]. Rotates the first 2 * half features of each head by the angle table of its row (cos, sin
    [rows, half]): pairs (2i, 2i + 1) when interleaved, else (i, i + half). The rest is copied. */
