@@ -66,7 +66,9 @@ def record_all_launches() -> list:
                 torch.zeros(4, 256, dtype=torch.float16),
                 torch.zeros(512, dtype=torch.int32),
             )
-        from poot_kernels_triton.moe import FusedExperts
+        from poot_kernels_triton.moe import FusedExperts, route
+
+        route(torch.zeros(2, 128), {"top_k": 8, "scoring": "softmax", "norm_topk": True, "routed_scale": 1.0})
 
         expert = (torch.zeros(768, 2048, dtype=bf), torch.zeros(768, 2048, dtype=bf), torch.zeros(2048, 768, dtype=bf))
         FusedExperts([expert] * 4).run(torch.zeros(1, 2048, dtype=bf), torch.zeros(1, 2, dtype=torch.int64),

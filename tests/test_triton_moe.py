@@ -57,3 +57,27 @@ def test_packed_or_mismatched_experts_take_the_grouped_route():
 
     packed = PackedWeight("gguf", (16, 32), {"blocks": torch.zeros(16, 34, dtype=torch.uint8)}, {"type": "Q8_0"})
     assert not moe.FusedExperts.suits([(packed, packed, packed)])
+
+
+@pytest.mark.parametrize("experts,top_k,norm,scale", [(8, 2, True, 1.0), (60, 4, False, 1.0), (128, 8, True, 2.5)])
+def test_routing_kernel_chooses_as_the_torch_ops_do(experts, top_k, norm, scale):
+    from poot_core import choose_experts
+
+    gen = torch.Generator().manual_seed(experts)
+    logits = (torch.randn(5, experts, generator=gen) * 3).to(DEVICE)
+    attrs = {"top_k": top_k, "scoring": "softmax", "norm_topk": norm, "routed_scale": scale, "groups": 1,
+             "topk_groups": 1, "group_score": "max"}
+    ids, weights = moe.route(logits, attrs)
+    ref_ids, ref_weights = choose_experts(logits, None, attrs)
+    assert torch.equal(ids, ref_ids)  # both highest first; random scores have no ties
+    assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_grouped_or_sigmoid_routing_stays_with_the_torch_ops(monkeypatch):
+    logits = torch.randn(2, 16).to(DEVICE)
+    attrs = {"top_k": 2, "scoring": "sigmoid", "norm_topk": True, "routed_scale": 1.0, "groups": 4,
+             "topk_groups": 2, "group_score": "top2"}
+    called = []
+    monkeypatch.setattr(moe, "choose_experts", lambda *a: called.append(a) or (None, None))
+    moe.route(logits, attrs)
+    assert called

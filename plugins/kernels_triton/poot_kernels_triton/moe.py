@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
+from poot_core import Expert, Weight, choose_experts, experts_of
 
 from .activation import ACTIVATIONS, _tanh, gated_activation
 from .launch import cdiv, launch
@@ -146,10 +146,60 @@ class FusedExperts:
 
 
 def router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
-    """x @ router^T in float32, so the choice of experts does not depend on the activation dtype."""
-    if isinstance(router, PackedWeight):
-        return linear(x, router, out_dtype=torch.float32)
-    return torch.nn.functional.linear(x.float(), router.float())
+    """x @ router^T summed and returned in float32, so the choice of experts does not depend on the activation
+    dtype (the package's linear widens each weight and activation exactly and accumulates in float32)."""
+    return linear(x, router, out_dtype=torch.float32)
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, ids_ptr, weights_ptr, experts, scale,
+    TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """One token's routing by softmax scores: the TOP_K best experts (highest first) and their scores,
+    renormalized to sum 1 when NORM, times `scale`."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < experts
+    logits = tl.load(logits_ptr + token * experts + offs, mask=mask, other=float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=0))
+    e = tl.where(mask, e, 0.0)
+    scores = e / tl.sum(e, axis=0)
+    left = tl.where(mask, scores, -1.0)
+    total = 0.0
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(left, axis=0)
+        chosen = tl.max(left, axis=0)
+        tl.store(ids_ptr + token * TOP_K + slot, best.to(tl.int64))
+        tl.store(weights_ptr + token * TOP_K + slot, chosen)
+        total += chosen
+        left = tl.where(offs == best, -1.0, left)
+    if NORM:
+        factor = scale / (total + 1e-20)
+    else:
+        factor = scale
+    slots = tl.arange(0, TOP_K)
+    w = tl.load(weights_ptr + token * TOP_K + slots)
+    tl.store(weights_ptr + token * TOP_K + slots, w * factor)
+
+
+def route(logits: torch.Tensor, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """choose_experts for router logits [N, E] (float32), in one kernel where the routing is plain softmax
+    top-k (no groups, no correction bias) with a power-of-two k; else choose_experts' torch ops."""
+    k, experts = int(a["top_k"]), logits.shape[-1]
+    simple = a["scoring"] == "softmax" and int(a.get("groups", 1)) <= 1 and k & (k - 1) == 0 and k <= experts
+    if not simple or experts > 1024:
+        return choose_experts(logits, None, a)
+    logits = logits.float().contiguous()
+    n = logits.shape[0]
+    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    launch(
+        _moe_route_kernel, (n,), Tile(num_warps=4, num_stages=1),
+        logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, experts=experts, scale=float(a["routed_scale"]),
+        TOP_K=k, NORM=bool(a["norm_topk"]), BLOCK_E=max(16, 1 << (experts - 1).bit_length()),
+    )  # fmt: skip
+    return ids, weights
 
 
 def run_experts(
@@ -176,4 +226,5 @@ def run_experts(
     return out
 
 
-__all__ = ["FUSED_MAX_TOKENS", "FusedExperts", "choose_experts", "experts_of", "router_logits", "run_experts"]
+__all__ = ["FUSED_MAX_TOKENS", "FusedExperts", "choose_experts", "experts_of", "route", "router_logits",
+           "run_experts"]

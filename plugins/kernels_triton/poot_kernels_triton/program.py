@@ -403,7 +403,9 @@ class Binder:
             x = _rows(s.env[x_name])
             if x.dtype != act:
                 x = x.to(act)
-            ids, weights = moe.choose_experts(moe.router_logits(x, router), bias, attrs)
+            logits = moe.router_logits(x, router)
+            # with a correction bias the torch ops choose; else one kernel where the routing is plain top-k
+            ids, weights = moe.choose_experts(logits, bias, attrs) if bias is not None else moe.route(logits, attrs)
             if fused is not None:
                 y = fused.run(x, ids, weights, attrs["act"])
             else:
