@@ -134,10 +134,49 @@ def test_refuses_rows_above_one_and_unknown_ops(tiny_checkpoint, vulkan):
         vulkan.prepare(_graph(handle, StepShape(2, 1, 64)), weights)
     assert err.value.reason is Reason.SHAPE and "rows=2" in str(err.value)
     graph = _graph(handle, StepShape(1, 1, 64))
-    graph.nodes[3] = type(graph.nodes[3])("moe", graph.nodes[3].inputs, graph.nodes[3].output, graph.nodes[3].shape)
+    node = graph.nodes[3]
+    graph.nodes[3] = type(node)("mla_attention", node.inputs, node.output, node.shape)
     with pytest.raises(Unsupported) as err:
         vulkan.prepare(graph, weights)
-    assert err.value.reason is Reason.OPERATION and "moe" in str(err.value)
+    assert err.value.reason is Reason.OPERATION and "mla_attention" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    import test_family_moe
+
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            made[arch] = test_family_moe.build(tmp_path_factory.mktemp(arch), arch, torch.float32)
+        return made[arch]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])  # qwen2_moe: a gated shared expert
+def test_moe_logits_and_greedy_tokens_match_cpu(moe_checkpoint, vulkan, arch):
+    handle = ModelHandle.load(moe_checkpoint(arch))
+    prompt = PROMPT[:10]
+    ours, ref = both_logits(handle, vulkan, prompt, prefill_chunk=4)  # chunks of 4, then single tokens
+    assert rel(ours, ref) <= 1e-3
+    opts = DriverOptions(capacity=64, prefill_chunk=4)
+    tokens = [Driver(handle, ex, opts).generate(GenerateRequest(prompt, max_new=4, ignore_eos=True)).tokens
+              for ex in (open_executor("cpu"), vulkan)]
+    assert tokens[0] == tokens[1]
+
+
+def test_moe_with_sigmoid_routing_is_refused_by_name(moe_checkpoint, vulkan):
+    """DeepSeek V3's routing (sigmoid scores, expert groups, a correction bias) has no Vulkan shader yet."""
+    handle = ModelHandle.load(moe_checkpoint("mixtral"))
+    graph = _graph(handle, StepShape(1, 1, 64))
+    at = next(i for i, n in enumerate(graph.nodes) if n.op == "moe")
+    node = graph.nodes[at]
+    graph.nodes[at] = type(node)(node.op, node.inputs, node.output, node.shape, {**node.attrs, "scoring": "sigmoid"})
+    with pytest.raises(Unsupported) as err:
+        vulkan.prepare(graph, vulkan.upload(handle.store()))
+    assert err.value.reason is Reason.OPERATION and "moe routing sigmoid" in str(err.value)
 
 
 def test_refuses_erf_gelu_by_name(tiny_checkpoint, vulkan):

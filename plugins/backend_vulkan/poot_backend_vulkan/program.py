@@ -21,6 +21,7 @@ from poot_core import CapacityError, Graph, Node, Reason, RequestError, Unsuppor
 from .kernels import attention as attn
 from .kernels import elementwise as ew
 from .kernels import linear as lin
+from .kernels import moe as moe_kernels
 from .kernels import norms, positional
 from .kernels.runtime import DeviceArray, Runtime, grid_1d, pack_params, shader_source
 from .kernels.weights import DeviceWeight
@@ -43,6 +44,7 @@ VULKAN_OPS = frozenset(
         "scale",
         "last_position",
         "logits",
+        "moe",
     }
 )
 GATED = ("silu", "gelu_tanh")
@@ -132,6 +134,7 @@ class VulkanProgram:
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
         self._late_reads: dict[int, list[str]] = {}
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
+        self._scratch_buffers: dict[tuple[str, tuple[int, ...]], DeviceArray] = {}
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
             self._at = index
@@ -451,6 +454,61 @@ class VulkanProgram:
         out = self._new(node)
         factor = float(node.attrs["factor"])
         return lambda rec, start: ew.unary(rec, "scale", x, out, factor)
+
+    def _scratch(self, key: str, shape: tuple[int, ...]) -> DeviceArray:
+        """A buffer for values that live inside one node's dispatches, shared by every node of the step that
+        asks for the same key and shape (the step's dispatches run in order)."""
+        found = self._scratch_buffers.get((key, shape))
+        if found is None:
+            found = self._scratch_buffers[(key, shape)] = self._buffers.take(shape)
+        return found
+
+    def _op_moe(self, node: Node) -> Emitter:
+        """Routing on the device (softmax top-k into a dense row of weights per token), then every expert's
+        gated MLP over the step's tokens, each added in with its weight (zero where the expert was not chosen):
+        correct, and recordable once per step, but it reads every expert's weights, so its cost follows the
+        total parameters, not the active ones."""
+        a = node.attrs
+        if a["scoring"] != "softmax" or int(a.get("groups", 1)) > 1 or node.inputs[2]:
+            raise Unsupported(Reason.OPERATION, f"moe routing {a['scoring']}, groups {a.get('groups', 1)}",
+                              "the vulkan backend routes by softmax top-k, without groups or a correction bias")
+        if a["act"] not in GATED:
+            raise Unsupported(Reason.OPERATION, f"moe {a['act']}", f"the vulkan kernels have {', '.join(GATED)}")
+        count = int(a["experts"])
+        if a["stacked"] or count > moe_kernels.MAX_EXPERTS:
+            raise Unsupported(Reason.SHAPE, f"moe with {count} experts, stacked={a['stacked']}",
+                              f"the vulkan backend takes up to {moe_kernels.MAX_EXPERTS} experts as separate matrices")
+        x, router = self._value(node, 0), self._matrix(node, 1)
+        shared = self._optional(node, 3)
+        shared_gate = self._matrix(node, 4) if node.inputs[4] else None
+        experts = [tuple(self._matrix(node, 5 + 3 * e + j) for j in range(3)) for e in range(count)]
+        width, inter = router.cols, experts[0][0].rows
+        tokens = x.size // width
+        out = self._new(node)
+        flat_x, flat_out = _view(x, (tokens, width)), _view(out, (tokens, width))
+        logits, weights = self._scratch("logits", (tokens, count)), self._scratch("weights", (tokens, count))
+        gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
+        h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+        shared_flat = None if shared is None else _view(shared, (tokens, width))
+        shared_w = None if shared_gate is None else self._scratch("shared_gate", (tokens, 1))
+        top_k, norm, scale = int(a["top_k"]), bool(a["norm_topk"]), float(a["routed_scale"])
+
+        def emit(rec: Recorder, start: int) -> None:
+            lin.linear(rec, flat_x, router, logits)
+            moe_kernels.route(rec, logits, weights, top_k, norm, scale)
+            for e, (w_gate, w_up, w_down) in enumerate(experts):
+                lin.linear(rec, flat_x, w_gate, gate)
+                lin.linear(rec, flat_x, w_up, up)
+                ew.gated_activation(rec, gate, up, h, a["act"])
+                lin.linear(rec, h, w_down, y)
+                moe_kernels.accumulate(rec, weights, e, y, flat_out, moe_kernels.ASSIGN if e == 0 else 0)
+            if shared_flat is not None and shared_w is not None and shared_gate is not None:
+                lin.linear(rec, flat_x, shared_gate, shared_w)
+                moe_kernels.accumulate(rec, shared_w, 0, shared_flat, flat_out, moe_kernels.SIGMOID)
+            elif shared_flat is not None:
+                moe_kernels.accumulate(rec, shared_flat, 0, shared_flat, flat_out, moe_kernels.UNIT)
+
+        return emit
 
     def _op_last_position(self, node: Node) -> Emitter:
         x = self._value(node, 0)
