@@ -149,3 +149,23 @@ def test_rope_inside_the_call_equals_rope_before_it(style, dim):
                        None, None)
     assert torch.allclose(kc, kc2, atol=1e-6) and torch.equal(vc, vc2)  # the cache holds the rotated keys
     assert torch.allclose(fused, plain, atol=1e-6)
+
+
+def test_positions_outside_the_cache_are_refused_before_anything_is_written(tiny_checkpoint):
+    """The kernels index the cache by position without bounds checks of their own: the program checks."""
+    import numpy as np
+
+    from poot_core import ModelHandle, RequestError, StepShape, Tracer, open_executor
+
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    shape = StepShape(1, 1, 16)
+    tracer = Tracer(shape, handle.store().shapes())
+    handle.family.trace(handle.config(), tracer, shape)
+    ex = open_executor("cpu")
+    program = ex.prepare(tracer.graph, ex.upload(handle.store()))
+    state = ex.allocate_state(tracer.graph)
+    for bad in (16, -1):
+        with pytest.raises(RequestError, match="outside the KV cache"):
+            program.run(state, {"tokens": np.array([[5]]), "positions": np.array([[bad]])})
+    assert all(float(buf.abs().sum()) == 0.0 for buf in state.values())
+    program.run(state, {"tokens": np.array([[5]]), "positions": np.array([[15]])})  # the last position is fine
