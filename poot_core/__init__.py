@@ -35,6 +35,7 @@ from poot_core.executor import (
     Capabilities,
     Executor,
     Program,
+    check_positions,
     installed_backends,
     open_executor,
     require_ops,
@@ -56,6 +57,6 @@ __all__ = [
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
     "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
     "open_executor",
-    "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
+    "check_positions", "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
     "CrossEncoder", "SentenceEncoder",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from poot_core.errors import Reason, Unsupported
+from poot_core.errors import Reason, RequestError, Unsupported
 from poot_core.graph import Graph, StepShape
 
 
@@ -136,5 +136,16 @@ def require_ops(graph: Graph, caps: Capabilities, backend: str) -> None:
             raise Unsupported(Reason.OPERATION, op, f"the {backend} backend has no kernel for it")
 
 
+def check_positions(graph: Graph, inputs: dict[str, Any]) -> None:
+    """Refuse a step whose positions fall outside the KV cache, before any kernel runs: kernels index the
+    cache by position, most of them without bounds checks of their own."""
+    positions = inputs.get("positions")
+    if positions is None or not graph.state or np.size(positions) == 0:
+        return
+    low, high, capacity = int(np.min(positions)), int(np.max(positions)), graph.shape.capacity
+    if low < 0 or high >= capacity:
+        raise RequestError(f"positions {low}..{high} fall outside the KV cache's {capacity} positions")
+
+
 __all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "Program", "StepShape",
-           "installed_backends", "open_executor", "require_ops"]
+           "check_positions", "installed_backends", "open_executor", "require_ops"]

@@ -222,3 +222,16 @@ def test_cross_encoder_matches_cpu_on_the_gpu(tmp_path):
     ref = CrossEncoder.load(tmp_path, open_executor("cpu"), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     ours = CrossEncoder.load(tmp_path, CudaExecutor(), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     assert float(np.linalg.norm(ours - ref) / np.linalg.norm(ref)) <= 1e-2
+
+
+@interpreter
+def test_positions_outside_the_cache_are_refused(tiny_checkpoint):
+    from poot_core import RequestError
+
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    graph = _graph(handle, StepShape(1, 1, 16))
+    ex = interpreted_executor()
+    program = ex.prepare(graph, ex.upload(handle.store()))
+    state = ex.allocate_state(graph)
+    with pytest.raises(RequestError, match="outside the KV cache"):
+        program.run(state, {"tokens": np.array([[5]]), "positions": np.array([[16]])})

@@ -17,8 +17,8 @@ from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
 from poot_core.cpu import fusion, ops, small_ops
 from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.cpu.packed_linear import few_rows_product
-from poot_core.errors import Reason, RequestError, Unsupported
-from poot_core.executor import Capabilities, require_ops
+from poot_core.errors import Reason, Unsupported
+from poot_core.executor import Capabilities, check_positions, require_ops
 from poot_core.graph import Graph, Node
 
 CPU_OPS = frozenset({
@@ -68,12 +68,7 @@ class CpuProgram:
                 self._dead[i].append(name)
 
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
-        positions = inputs.get("positions")
-        if positions is not None and len(positions) and self.graph.state:
-            # the C kernels write and read the KV cache at these positions: check them once, here
-            low, high, capacity = int(np.min(positions)), int(np.max(positions)), self.graph.shape.capacity
-            if low < 0 or high >= capacity:
-                raise RequestError(f"positions {low}..{high} fall outside the KV cache's {capacity} positions")
+        check_positions(self.graph, inputs)  # the C kernels index the KV cache by position, unchecked
         env: Env = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in inputs.items()}
         with torch.inference_mode():
             for (out, fn), dead in zip(self._steps, self._dead, strict=True):

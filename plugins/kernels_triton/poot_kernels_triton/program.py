@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_core import Graph, Node, PackedWeight, Reason, Unsupported
+from poot_core import Graph, Node, PackedWeight, Reason, Unsupported, check_positions
 
 from . import moe
 from .tuning import Tuning, use_tuning
@@ -564,6 +564,7 @@ class TritonProgram:
         }
 
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[Any]:
+        check_positions(self.graph, inputs)  # the KV write kernels index the cache by position, unchecked
         tuned = use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext()
         with torch.inference_mode(), tuned:
             if not self.use_graph:
