@@ -81,3 +81,25 @@ def test_grouped_or_sigmoid_routing_stays_with_the_torch_ops(monkeypatch):
     monkeypatch.setattr(moe, "choose_experts", lambda *a: called.append(a) or (None, None))
     moe.route(logits, attrs)
     assert called
+
+
+def test_fused_experts_on_random_shapes():
+    """Expert counts, widths (tile edges), tokens and slots drawn at random: the kernels find each pair's
+    expert through an address table, so a wrong index or edge mask would show here."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.integers(1, 9), st.integers(1, 300), st.integers(1, 90), st.integers(1, 4), st.data())
+    def check(count, d, inter, tokens, data):
+        slots = data.draw(st.integers(1, count))
+        gen = torch.Generator().manual_seed(count * 1000 + d)
+        experts = random_experts(count, d, inter, torch.bfloat16, data.draw(st.booleans()), gen)
+        x = torch.randn(tokens, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+        ids = torch.stack([torch.randperm(count, generator=gen)[:slots] for _ in range(tokens)]).to(DEVICE)
+        weights = torch.rand(tokens, slots, generator=gen).to(DEVICE)
+        ours = moe.FusedExperts(experts).run(x, ids, weights, "silu")
+        ref = moe.run_experts(x.float(), ids, weights, [tuple(w.float() for w in e) for e in experts], "silu")
+        assert ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() < 1e-5
+
+    check()
