@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from poot_core import Expert, Weight, choose_experts, experts_of
+from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
 
 from .activation import ACTIVATIONS, _tanh, gated_activation
 from .launch import cdiv, launch
+from .matmul import GEMV_MAX_ROWS
 from .quant import linear
 from .tuning import Tile, tuning_for_device
 
@@ -146,9 +147,13 @@ class FusedExperts:
 
 
 def router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
-    """x @ router^T summed and returned in float32, so the choice of experts does not depend on the activation
-    dtype (the package's linear widens each weight and activation exactly and accumulates in float32)."""
-    return linear(x, router, out_dtype=torch.float32)
+    """x @ router^T in float32, so the choice of experts does not depend on the activation dtype. A few rows
+    (decode) and packed routers go through the package's linear (its GEMV widens every value exactly and sums
+    in float32, whatever the two dtypes); more rows through torch on float32 copies (a GEMM's tl.dot would
+    round float32 inputs to tf32, or refuse two different dtypes)."""
+    if isinstance(router, PackedWeight) or x.shape[0] <= GEMV_MAX_ROWS:
+        return linear(x, router, out_dtype=torch.float32)
+    return torch.nn.functional.linear(x.float(), router.float())
 
 
 @triton.jit
@@ -157,7 +162,7 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One token's routing by softmax scores: the TOP_K best experts (highest first) and their scores,
-    renormalized to sum 1 when NORM, times `scale`."""
+    renormalized to sum 1 when NORM, times `scale`. The choices stay in registers until one store at the end."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < experts
@@ -166,21 +171,20 @@ def _moe_route_kernel(
     e = tl.where(mask, e, 0.0)
     scores = e / tl.sum(e, axis=0)
     left = tl.where(mask, scores, -1.0)
-    total = 0.0
+    slots = tl.arange(0, TOP_K)
+    chosen_ids = tl.zeros([TOP_K], tl.int64)
+    chosen = tl.zeros([TOP_K], tl.float32)
     for slot in tl.static_range(TOP_K):
         best = tl.argmax(left, axis=0)
-        chosen = tl.max(left, axis=0)
-        tl.store(ids_ptr + token * TOP_K + slot, best.to(tl.int64))
-        tl.store(weights_ptr + token * TOP_K + slot, chosen)
-        total += chosen
+        chosen_ids = tl.where(slots == slot, best.to(tl.int64), chosen_ids)
+        chosen = tl.where(slots == slot, tl.max(left, axis=0), chosen)
         left = tl.where(offs == best, -1.0, left)
     if NORM:
-        factor = scale / (total + 1e-20)
+        chosen = chosen * (scale / (tl.sum(chosen, axis=0) + 1e-20))
     else:
-        factor = scale
-    slots = tl.arange(0, TOP_K)
-    w = tl.load(weights_ptr + token * TOP_K + slots)
-    tl.store(weights_ptr + token * TOP_K + slots, w * factor)
+        chosen = chosen * scale
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen)
 
 
 def route(logits: torch.Tensor, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
