@@ -47,13 +47,7 @@ def rel(ours: np.ndarray, ref: np.ndarray) -> float:
 
 def interpreted_executor() -> CudaExecutor:
     """The executor's binding on the CPU under TRITON_INTERPRET: same kernels, no CUDA graphs."""
-    ex = CudaExecutor.__new__(CudaExecutor)
-    ex.device = torch.device("cpu")
-    ex._tables = {}
-    ex._state_bytes = 0
-    ex.use_cuda_graphs = False
-    ex.memory = lambda: {"total": 1 << 40, "free": 1 << 40}
-    return ex
+    return CudaExecutor.on_interpreter()
 
 
 def both_logits(handle, ours_executor, prompt=PROMPT, **options):

@@ -58,8 +58,8 @@ HEADROOM = 1 << 30
 class TritonExecutor:
     """Runs traced graphs with the shared Triton kernels on one torch device.
 
-    Class attributes are the defaults a backend subclass overrides; tests build an instance on the CPU
-    (under TRITON_INTERPRET) by setting `device`, `_tables`, `_state_bytes`, `use_cuda_graphs` and `memory`.
+    Class attributes are the defaults a backend subclass overrides; `on_interpreter()` builds an instance on
+    the CPU for TRITON_INTERPRET=1 (the tests, or checking a kernel change on a machine without a GPU).
     """
 
     name = "triton"
@@ -84,6 +84,18 @@ class TritonExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self._tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._state_bytes = 0
+
+    @classmethod
+    def on_interpreter(cls) -> TritonExecutor:
+        """This executor on the CPU, for TRITON_INTERPRET=1: the same binding and kernels, steps run eagerly
+        (no CUDA graphs), memory reported as unlimited."""
+        ex = cls.__new__(cls)
+        ex.device = torch.device("cpu")
+        ex._tables = {}
+        ex._state_bytes = 0
+        ex.use_cuda_graphs = False
+        ex.memory = lambda: {"total": 1 << 40, "free": 1 << 40}  # type: ignore[method-assign]
+        return ex
 
     # --- protocol --------------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
