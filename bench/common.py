@@ -33,3 +33,18 @@ def write(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def step_programs(family: Any, config: Any, executor: Any, weights: Any, shapes: dict[str, tuple[int, ...]],
+                  capacity: int) -> Any:
+    """A function tokens -> (prepared program, graph) for steps of one row of `tokens` tokens: the family's
+    model traced for that shape and prepared on `executor` over the uploaded `weights`."""
+    from poot_core import StepShape, Tracer
+
+    def program(tokens: int) -> tuple[Any, Any]:
+        shape = StepShape(1, tokens, capacity)
+        tracer = Tracer(shape, shapes)
+        family.trace(config, tracer, shape)
+        return executor.prepare(tracer.graph, weights), tracer.graph
+
+    return program

@@ -16,10 +16,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 HF_LLAMA3_8B = dict(
     vocab_size=128256,
@@ -316,7 +321,6 @@ def poot_run(
     hf: dict[str, Any], quant: str | None, prompt: int, new: int, prefill: int, bandwidth: float
 ) -> dict[str, Any]:
     from poot_backend_cuda.executor import CudaExecutor
-    from poot_core import StepShape, Tracer
     from poot_family_llama.plugin import DenseDecoder
 
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
@@ -328,12 +332,8 @@ def poot_run(
     weight_bytes = weights.nbytes()
     capacity = max(prompt + new, prefill)
 
-    def program(tokens: int):
-        shape = StepShape(1, tokens, capacity)
-        t = Tracer(shape, {n: tuple(w.shape) for n, w in weights.tensors.items()})
-        family.trace(config, t, shape)
-        return ex.prepare(t.graph, weights), t.graph
-
+    program = common.step_programs(family, config, ex, weights, {n: tuple(w.shape) for n, w in
+                                                                  weights.tensors.items()}, capacity)
     pre, graph = program(prompt)
     dec, _ = program(1)
     state = ex.allocate_state(graph)

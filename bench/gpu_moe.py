@@ -20,10 +20,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 QWEN3_30B_A3B = dict(
     vocab_size=151936,
@@ -130,25 +135,17 @@ def active_bytes(hf: dict[str, Any]) -> int:
 
 def run_model(hf: dict[str, Any], executor: Any, device: str, prompt: int, new: int, prefill: int,
               bandwidth: float | None) -> dict[str, Any]:
-    from poot_core import Registry, StepShape, Tracer
+    from poot_core import Registry
 
     family = Registry.builtin().resolve(hf["architectures"][0], hf["model_type"])
     config = family.config_from_hf(hf)
     t0 = time.perf_counter()
     store = RandomStore(hf, device)
+    shapes = store.shapes()
     weights = executor.upload(store)
     del store
     made_s = time.perf_counter() - t0
-    capacity = max(prompt + new, prefill)
-
-    def program(tokens: int) -> tuple[Any, Any]:
-        shape = StepShape(1, tokens, capacity)
-        names = {n: tuple(w.shape) for n, w in weights.tensors.items()} if hasattr(weights, "tensors") else \
-            {n: tuple(w.shape) for n, w in weights.items()}
-        t = Tracer(shape, names)
-        family.trace(config, t, shape)
-        return executor.prepare(t.graph, weights), t.graph
-
+    program = common.step_programs(family, config, executor, weights, shapes, max(prompt + new, prefill))
     pre, graph = program(prompt)
     dec, _ = program(1)
     state = executor.allocate_state(graph)
@@ -230,7 +227,6 @@ def main() -> int:
         make_executor = lambda: open_executor("cpu")  # noqa: E731
         args.prefill = min(args.prefill, 64)
     else:
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
         from gpu_decode import copy_bandwidth
 
         from poot_backend_cuda.executor import CudaExecutor
