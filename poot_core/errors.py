@@ -46,6 +46,13 @@ class CheckpointError(PootError):
         super().__init__(f"{where}: {message}")
 
 
+class MissingTensor(CheckpointError, KeyError):
+    """A tensor name the file does not hold (also a KeyError, for callers that probe names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return CheckpointError.__str__(self)
+
+
 class IntegrityError(PootError):
     """A file does not match the integrity manifest, or is not listed in it."""
 
@@ -74,6 +81,7 @@ __all__ = [
     "CapacityError",
     "CheckpointError",
     "IntegrityError",
+    "MissingTensor",
     "PluginError",
     "PootError",
     "Reason",

@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from poot_core.checkpoint.layouts import PackedWeight
-from poot_core.errors import CheckpointError, Reason, Unsupported
+from poot_core.errors import CheckpointError, MissingTensor, Reason, Unsupported
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -65,13 +65,6 @@ DENSE = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
-
-
-class MissingTensor(CheckpointError, KeyError):
-    """A tensor name the file does not hold (also a KeyError, for callers that probe names)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return CheckpointError.__str__(self)
 
 
 @dataclass(frozen=True)

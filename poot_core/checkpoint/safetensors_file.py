@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from poot_core.errors import CheckpointError
+from poot_core.errors import CheckpointError, MissingTensor
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -40,13 +40,6 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
 MAX_DIMS = 8
-
-
-class MissingTensor(CheckpointError, KeyError):
-    """A tensor name the file does not hold (also a KeyError, for callers that probe names)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return CheckpointError.__str__(self)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
