@@ -16,12 +16,13 @@ from poot_core.driver.core import (
     Layout,
     Timings,
 )
+from poot_core.driver.encoders import CrossEncoder, SentenceEncoder
 from poot_core.driver.sampling import Sampler
-from poot_core.encoders import CrossEncoder, SentenceEncoder
 from poot_core.errors import (
     CapacityError,
     CheckpointError,
     IntegrityError,
+    MissingTensor,
     PluginError,
     PootError,
     Reason,
@@ -58,5 +59,5 @@ __all__ = [
     "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
     "open_executor",
     "check_positions", "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
-    "CrossEncoder", "SentenceEncoder",
+    "CrossEncoder", "SentenceEncoder", "MissingTensor",
 ]
