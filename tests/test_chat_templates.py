@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 import smollm
 from poot_core import TemplateError
-from poot_core.text.chat import compile_template, encode_segments, looks_like_jinja
+from poot_core.text.chat import compile_template, looks_like_jinja
+from poot_core.text.chat_tokens import encode_segments
 
 TEMPLATES = Path(__file__).resolve().parent.parent / ".cache" / "testdata" / "llama.cpp" / "templates"
 BOS, EOS = "<s>", "</s>"

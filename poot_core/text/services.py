@@ -93,7 +93,7 @@ class TextServices:
     def encode_chat(self, rendered: Any) -> list[int]:
         """The rendered prompt as ids: control tokens the template wrote become their ids, the same spelling
         inside a message stays plain text. BOS is added when the tokenizer adds it and the template did not."""
-        from poot_core.text.chat import encode_segments
+        from poot_core.text.chat_tokens import encode_segments
 
         for text in rendered.unplaced:
             spelled = [t for t in self.vocab.control_tokens if t and t in text]
