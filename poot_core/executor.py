@@ -4,6 +4,10 @@ A backend plugin registers a `BackendSpec`: a name (and aliases), a priority for
 `probe()` that says whether its device is present (never raising for absence), and a factory that opens
 the executor. The executor uploads weights as stored, prepares traced graphs into programs (or refuses them
 by name before any work), and runs them.
+
+`Executor` lists what every backend defines. A backend may also define optional methods, each declared by
+its own protocol below with the behaviour callers fall back to when a backend lacks it; callers reach them
+through the helper beside that protocol, never by probing attribute names themselves.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
@@ -27,32 +31,59 @@ class Capabilities:
     notes: str = ""
 
 
+# What callers hand back to the executor without looking inside; each backend chooses its own types.
+Weights: TypeAlias = Any  # what upload() returns: the weights placed (maybe re-laid-out) on the device
+State: TypeAlias = Any  # what allocate_state() returns: the KV cache and other state buffers of a graph
+Output: TypeAlias = Any  # an executor-native array that Program.run returns (logits or hidden states)
+
+
 class Program(Protocol):
     """A prepared graph. `run` takes the step's inputs (numpy int arrays named as the graph's inputs)
     and the executor's state object, and returns the graph's outputs as executor-native arrays."""
 
-    def run(self, state: Any, inputs: dict[str, np.ndarray]) -> list[Any]: ...
+    def run(self, state: State, inputs: dict[str, np.ndarray]) -> list[Output]: ...
 
 
 class Executor(Protocol):
+    """What every backend defines. Optional methods (declared below, each with its default): greedy_token."""
+
     name: str
 
     def capabilities(self) -> Capabilities: ...
 
-    def upload(self, store: Any) -> Any:
+    def upload(self, store: Any) -> Weights:
         """Place the weights on the device; returns the executor's handle to them."""
 
-    def prepare(self, graph: Graph, weights: Any) -> Program: ...
+    def prepare(self, graph: Graph, weights: Weights) -> Program: ...
 
-    def allocate_state(self, graph: Graph) -> Any:
+    def allocate_state(self, graph: Graph) -> State:
         """Allocate the graph's state buffers (KV cache), zeroed."""
 
-    def copy_state_rows(self, state: Any, src_row: int, dst_row: int, length: int) -> None: ...
+    def copy_state_rows(self, state: State, src_row: int, dst_row: int, length: int) -> None: ...
 
-    def to_numpy(self, value: Any) -> np.ndarray: ...
+    def to_numpy(self, value: Output) -> np.ndarray: ...
 
     def memory(self) -> dict[str, int]:
         """{"total": bytes, "free": bytes} of the device."""
+
+
+# --- optional executor methods ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class GreedyOnDevice(Protocol):
+    """Optional `greedy_token(output)`: the id of the largest logit at the last position of row 0 of a logits
+    output, picked on the device so that one id crosses to the host instead of the logits.
+
+    Default for a backend without it: the caller reads the logits with `to_numpy` and picks on the host (the
+    Driver's Sampler takes the same argmax), at the cost of copying the logits."""
+
+    def greedy_token(self, output: Output) -> int: ...
+
+
+def device_greedy(executor: Executor) -> Callable[[Output], int] | None:
+    """The executor's `greedy_token`, or None when it has none (then pick on the host from `to_numpy`)."""
+    return executor.greedy_token if isinstance(executor, GreedyOnDevice) else None
 
 
 @dataclass
@@ -147,5 +178,6 @@ def check_positions(graph: Graph, inputs: dict[str, Any]) -> None:
         raise RequestError(f"positions {low}..{high} fall outside the KV cache's {capacity} positions")
 
 
-__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "Program", "StepShape",
-           "check_positions", "installed_backends", "open_executor", "require_ops"]
+__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "GreedyOnDevice", "Output", "Program",
+           "State", "StepShape", "Weights", "check_positions", "device_greedy", "installed_backends",
+           "open_executor", "require_ops"]

@@ -18,6 +18,7 @@ from poot_core import (
     open_executor,
 )
 from poot_core.driver.stops import StopMatcher
+from poot_core.executor import device_greedy
 
 PROMPT = [(5 * i + 11) % 240 + 3 for i in range(24)]
 
@@ -43,6 +44,40 @@ def test_greedy_equals_argmax_of_logits(driver):
     for t in tokens:
         assert t == int(np.argmax(driver.logits(seq)[-1]))
         seq.append(t)
+
+
+class _PicksOnDevice:
+    """The CPU executor plus an optional greedy_token that deliberately picks the argmin, so its use shows."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def greedy_token(self, output):
+        self.calls += 1
+        return int(np.argmin(self._inner.to_numpy(output)[0, -1]))
+
+
+def test_the_executors_greedy_token_makes_greedy_picks_only(driver):
+    assert device_greedy(driver.executor) is None  # the CPU executor has none: the sampler picks on the host
+    executor = _PicksOnDevice(driver.executor)
+    picking = Driver(driver.handle, executor, DriverOptions(capacity=96, prefill_chunk=8))
+    tokens = picking.generate(GenerateRequest(PROMPT, max_new=4, ignore_eos=True)).tokens
+    seq = list(PROMPT)
+    for t in tokens:
+        assert t == int(np.argmin(driver.logits(seq)[-1]))
+        seq.append(t)
+    assert executor.calls == 4
+
+    def sampled(d):
+        s = Sampler(temperature=0.9, top_k=20, seed=3)
+        return d.generate(GenerateRequest(PROMPT, max_new=4, sampler=s, ignore_eos=True)).tokens
+
+    assert sampled(picking) == sampled(driver)
+    assert executor.calls == 4
 
 
 def test_prefix_reuse_prefills_only_new_tokens(driver):

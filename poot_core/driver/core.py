@@ -13,14 +13,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from poot_core.driver.sampling import Sampler
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, Reason, RequestError, Unsupported
-from poot_core.graph import StepShape, Tracer
+from poot_core.executor import Executor, Output, Program, State, Weights, device_greedy
+from poot_core.graph import Graph, StepShape, Tracer
+
+if TYPE_CHECKING:
+    from poot_core.checkpoint.handle import ModelHandle
 
 
 class Layout(StrEnum):
@@ -82,7 +86,7 @@ OnToken = Callable[[int, str], GenerationControl | None]
 
 
 class Driver:
-    def __init__(self, handle: Any, executor: Any, options: DriverOptions | None = None) -> None:
+    def __init__(self, handle: ModelHandle, executor: Executor, options: DriverOptions | None = None) -> None:
         self.handle = handle
         self.executor = executor
         self.options = options or DriverOptions()
@@ -94,15 +98,18 @@ class Driver:
                                 f"{config.max_positions} positions")
         self.config = config
         self.family = handle.family
-        self.weights = executor.upload(handle.store())
+        self.weights: Weights = executor.upload(handle.store())
+        # Greedy picks on the device when the executor can (one id crosses to the host, not the logits).
+        self._greedy = device_greedy(executor)
         self._shapes = handle.store().shapes()
-        self._programs: OrderedDict[StepShape, Any] = OrderedDict()
-        self._state: dict[int, Any] = {}  # rows -> executor state
+        self._programs: OrderedDict[StepShape, Program] = OrderedDict()
+        self._state: dict[int, State] = {}  # rows -> executor state
         self._cached: list[int] = []  # tokens whose K/V row 0 holds, in order
+        self._encode_prepared: dict[StepShape, tuple[Program, Graph, State]] = {}  # own states: see prepare_encode
         self.layout: Layout | None = None
 
     # --- programs -------------------------------------------------------------------------------------
-    def _trace(self, shape: StepShape) -> Any:
+    def _trace(self, shape: StepShape) -> Graph:
         """The family's graph for one step shape; a weight the family needs and the checkpoint lacks is a
         typed refusal."""
         tracer = Tracer(shape, self._shapes)
@@ -113,7 +120,7 @@ class Driver:
                               f"the checkpoint lacks weight {exc.args[0]}") from exc
         return tracer.graph
 
-    def program(self, shape: StepShape) -> Any:
+    def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)
         if prog is not None:
             self._programs.move_to_end(shape)
@@ -135,14 +142,14 @@ class Driver:
         self.program(StepShape(1, 1, self.options.capacity))
         return self
 
-    def _run(self, tokens: list[int], start: int, all_logits: bool) -> Any:
+    def _run(self, tokens: list[int], start: int, all_logits: bool) -> Output:
         shape = StepShape(1, len(tokens), self.options.capacity, all_logits=all_logits)
         prog = self.program(shape)
         inputs = {"tokens": np.asarray([tokens], dtype=np.int64),
                   "positions": np.arange(start, start + len(tokens), dtype=np.int64)[None, :]}
         return prog.run(self._state[1], inputs)[0]
 
-    def _prefill(self, tokens: list[int], start: int, all_logits: bool = False) -> list[Any]:
+    def _prefill(self, tokens: list[int], start: int, all_logits: bool = False) -> list[Output]:
         """Prefill `tokens` at positions from `start` in chunks; returns each chunk's output."""
         outs = []
         chunk = self.options.prefill_chunk
@@ -246,12 +253,10 @@ class Driver:
         timings.decode_seconds = time.perf_counter() - t1
         return Generation(generated, "".join(pieces), reason, timings)
 
-
-    def _next_token(self, logits: Any, sampler: Sampler, history: list[int]) -> int:
-        """Greedy picks on the device when the executor can (one id crosses to the host, not the logits)."""
-        greedy = getattr(self.executor, "greedy_token", None)
-        if sampler.is_greedy and greedy is not None:
-            return int(greedy(logits))
+    def _next_token(self, logits: Output, sampler: Sampler, history: list[int]) -> int:
+        """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host."""
+        if sampler.is_greedy and self._greedy is not None:
+            return int(self._greedy(logits))
         return sampler.sample(self.executor.to_numpy(logits)[0, -1], history)
 
     # --- encode: the final hidden state of every position (embeddings) ---------------------------------
@@ -262,7 +267,7 @@ class Driver:
             raise RequestError(f"prepare_encode needs positive rows and longest, got {rows} and {longest}")
         if longest > self.config.max_positions:
             raise CapacityError(f"{longest} tokens exceed the model's {self.config.max_positions} positions")
-        programs = self._encode_programs()
+        programs = self._encode_prepared
         shape = StepShape(rows, longest, longest, hidden=True)
         if shape in programs:
             return
@@ -279,23 +284,17 @@ class Driver:
         if token_types is not None and [len(t) for t in token_types] != [len(r) for r in rows]:
             raise RequestError("token_types must have one id per token of each row")
         longest = max(len(r) for r in rows)
-        fitting = [s for s in self._encode_programs() if s.rows >= len(rows) and s.tokens >= longest]
+        fitting = [s for s in self._encode_prepared if s.rows >= len(rows) and s.tokens >= longest]
         if not fitting:
-            prepared = ", ".join(f"{s.rows}x{s.tokens}" for s in self._encode_programs()) or "none"
+            prepared = ", ".join(f"{s.rows}x{s.tokens}" for s in self._encode_prepared) or "none"
             raise Unsupported(Reason.SHAPE, f"encode of {len(rows)} rows up to {longest} tokens",
                               f"no prepared encode shape holds it (prepared rows x tokens: {prepared}); "
                               "call prepare_encode first or send fewer or shorter rows")
         shape = min(fitting, key=lambda s: (s.rows * s.tokens, s.rows))
-        prog, graph, state = self._encode_programs()[shape]
+        prog, graph, state = self._encode_prepared[shape]
         inputs = self._encode_inputs(shape, rows, token_types)
         out = self.executor.to_numpy(prog.run(state, {k: v for k, v in inputs.items() if k in graph.inputs})[0])
         return [np.asarray(out[i, : len(r)], dtype=np.float32) for i, r in enumerate(rows)]
-
-    def _encode_programs(self) -> dict[StepShape, tuple[Any, Any, Any]]:
-        programs = getattr(self, "_encode_prepared", None)
-        if programs is None:
-            programs = self._encode_prepared = {}
-        return programs
 
     def _encode_inputs(self, shape: StepShape, rows: list[list[int]],
                        token_types: list[list[int]] | None) -> dict[str, np.ndarray]:

@@ -105,7 +105,7 @@ class _EncoderBase:
 
     @property
     def executor_name(self) -> str:
-        return str(getattr(self.driver.executor, "name", "?"))
+        return self.driver.executor.name
 
     def _check_count(self, n: int) -> None:
         if n > self.rows:
