@@ -1,83 +1,82 @@
 """The CPU executor's C kernels: one shared library, built at first use with the system C compiler.
 
-The C text lives beside the Python that calls it (packed_linear for matrix products from packed or 16-bit
-weights, c_attention for attention over the cache, small_ops for norms and rope). Here it is joined,
-compiled once per source text and machine (-march=native, OpenMP) into a cached library, and loaded. Where
-there is no compiler, or POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route instead.
+The C sources are package data in `csrc/` (every `*.c` there is one part of the library; `common.h` holds
+the helpers the parts share). They are compiled together once per source text, flags and machine
+(-march=native, OpenMP) into a cached library, loaded, and their argument types declared from SIGNATURES.
+Where there is no compiler, the build fails (a warning, once, with the compiler's first error lines), or
+POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route instead.
+
+`python -m poot_core.cpu.c_kernels` builds and reports the library, its flags and kernels, or the error.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
-# Included once, before every part: the headers and the helpers more than one part uses.
-PRELUDE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <omp.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-/* exp(x) for 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (about
-   2 ulp, as vectorized exp libraries are); inputs below -104 give 0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f),
-                                _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-#endif
-
-/* Rope for one token: its heads of head_dim values (x; out may lie elsewhere, even in the cache), the first
-   2 * half features of each rotated by (c, s): pairs (2i, 2i + 1) when interleaved, else (i, i + half); the
-   rest copied. */
-static void rope_row(const float *x, int64_t heads, int64_t head_dim, int64_t half, const float *c, const float *s,
-                     int interleaved, float *out) {
-    for (int64_t h = 0; h < heads; h++) {
-        const float *xh = x + h * head_dim;
-        float *oh = out + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-            const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-            const float a = xh[ia], b = xh[ib];
-            oh[ia] = a * c[i] - b * s[i];
-            oh[ib] = b * c[i] + a * s[i];
-        }
-        for (int64_t i = 2 * half; i < head_dim; i++) oh[i] = xh[i];
-    }
-}
-"""
+SOURCE_DIR = Path(__file__).with_name("csrc")
+_log = logging.getLogger(__name__)
 
 # -falign-loops=32: where the linker happens to place a hot loop otherwise decides its speed (the bf16 GEMV
 # took 40 or 66 us on the same matrix, in two builds differing only in code placement on an AMD EPYC).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-falign-loops=32", "-shared", "-fPIC")
+# How much of the compiler's output a failed build shows.
+ERROR_LINES = 12
 
-_lib: ctypes.CDLL | None = None
-_lib_tried = False
-_lock = threading.Lock()
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# Every exported C function: (argument types, result type). The callers are packed_linear (matrix products from
+# packed or 16-bit weights), c_attention (attention over the cache) and small_ops (norms, rope, silu).
+SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    # quant32.c: y = x @ W^T and dequantization for the 32-value block types
+    "poot_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _p, _i32], None),
+    "poot_dequant": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
+    # kquant.c: the same for the 256-value K-quant types
+    "poot_gemv_k": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
+    "poot_dequant_k": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
+    # dense16.c: bf16 / f16 weights
+    "poot_gemv16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32, _i32], None),
+    # attention.c
+    "poot_attend_few": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _f32, _i64, _f32, _p,
+                         _p, _i32, _p, _p, _i64, _i32, _p], None),
+    "poot_attend_blocks": ([_p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _f32, _i64, _f32, _p, _p,
+                            _i32], _i32),
+    # small_ops.c
+    "poot_add_rms_norm": ([_p, _p, _p, _i64, _i64, _f32, _p, _p, _i32], None),
+    "poot_rope": ([_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32], None),
+    "poot_silu_mul": ([_p, _i64, _p, _i64, _i64, _i64, _p, _i32], None),
+    # features.c
+    "poot_features": ([], _i32),
+}
+# The bits of poot_features().
+FEATURE_BITS = {"avx512f": 1, "avx2": 2, "fma": 4, "f16c": 8}
 
 
-def _cache_dir() -> Path:
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be built or loaded; the message carries the compiler's first error lines."""
+
+
+class KernelBuildWarning(RuntimeWarning):
+    """Shown once when the C kernels cannot be built: the CPU executor then takes its (slower) torch routes."""
+
+
+def cache_dir() -> Path:
     root = os.environ.get("POOT_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "poot"
     )
     return Path(root) / "kernels"
+
+
+def compiler() -> str:
+    return os.environ.get("CC", "cc")
 
 
 def _machine_key() -> str:
@@ -88,39 +87,145 @@ def _machine_key() -> str:
     return platform.machine() + flags
 
 
-def _build() -> ctypes.CDLL:
-    from poot_core.cpu import c_attention, packed_linear, small_ops  # they import this module at load time
+def sources(src_dir: Path) -> list[Path]:
+    """The files the library is built from: every .c (compiled) and .h (included) in src_dir, in name order."""
+    return sorted(p for p in src_dir.iterdir() if p.suffix in (".c", ".h"))
 
-    parts = (packed_linear, c_attention, small_ops)
-    source = PRELUDE + "".join(part.C_SOURCE for part in parts)
-    tag = hashlib.sha256((source + " ".join(FLAGS) + _machine_key()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels_{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
-            src.write_text(source)
-            cc = os.environ.get("CC", "cc")
-            cmd = [cc, *FLAGS, "-o", str(out), str(src), "-lm"]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(out, target)  # atomic: a parallel builder ends with the same file
-    lib = ctypes.CDLL(str(target))
-    for part in parts:
-        part.declare(lib)
+
+def library_path(src_dir: Path = SOURCE_DIR) -> Path:
+    """Where the library built from src_dir lives in the cache: keyed by the sources' names and bytes, the
+    compiler, the flags and the machine."""
+    digest = hashlib.sha256()
+    for path in sources(src_dir):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update((compiler() + " " + " ".join(FLAGS) + _machine_key()).encode())
+    return cache_dir() / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
+
+
+def _first_error_lines(output: str) -> str:
+    lines = output.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "error" in ln.lower()), 0)
+    return "\n".join(lines[start : start + ERROR_LINES])
+
+
+def build(src_dir: Path = SOURCE_DIR) -> Path:
+    """The library built from src_dir (compiled now unless the cache has it); KernelBuildError if it fails."""
+    target = library_path(src_dir)
+    if target.exists():
+        return target
+    c_files = [str(p) for p in sources(src_dir) if p.suffix == ".c"]
+    if not c_files:
+        raise KernelBuildError(f"no C sources in {src_dir}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / "k.so"
+        cmd = [compiler(), *FLAGS, "-o", str(out), *c_files, "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except FileNotFoundError:
+            raise KernelBuildError(f"no C compiler: {cmd[0]!r} not found (set CC)") from None
+        except subprocess.TimeoutExpired:
+            raise KernelBuildError(f"the compiler took over 300 s: {' '.join(cmd)}") from None
+        if done.returncode != 0:
+            raise KernelBuildError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
+                                   + _first_error_lines(done.stderr or done.stdout))
+        os.replace(out, target)  # atomic: a parallel builder ends with the same file
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at path with the argument types of SIGNATURES declared; KernelBuildError if one is missing."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from None
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise KernelBuildError(f"{path} lacks {', '.join(missing)}")
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+# The kernels' vector routes are written for these; without them the portable C routes are slower than torch
+# (measured on an AVX2 machine: bf16 GEMV 16x, decode attention 7x), so the library is not used there.
+REQUIRED_FEATURES = frozenset({"avx512f"})
+
+
+class Loader:
+    """Builds and loads the library from one source folder at the first get(), once; a failure warns once and
+    leaves get() None from then on, as does a build without REQUIRED_FEATURES (with an info log line)."""
+
+    def __init__(self, src_dir: Path = SOURCE_DIR) -> None:
+        self.src_dir = src_dir
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        lib = load(build(self.src_dir))
+                        lacking = REQUIRED_FEATURES - features(lib)
+                        if lacking:
+                            _log.info("poot: the CPU C kernels are not used: this machine lacks %s",
+                                      ", ".join(sorted(lacking)))
+                        else:
+                            self._lib = lib
+                    except KernelBuildError as e:
+                        warnings.warn(f"poot: the CPU C kernels are unavailable, the slower torch routes are used "
+                                      f"instead. {e}", KernelBuildWarning, stacklevel=3)
+                    self._tried = True
+        return self._lib
+
+
+_default = Loader()
+
+
+def features(lib: ctypes.CDLL) -> frozenset[str]:
+    """The instruction sets the library was compiled for (names of FEATURE_BITS); the kernels pick their vector
+    routes at compile time, so some (attention blocks) exist only with AVX-512 and refuse otherwise."""
+    bits = lib.poot_features()
+    return frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
 
 
 def kernels() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they are disabled or cannot be built (then torch does the work)."""
-    global _lib, _lib_tried
     if os.environ.get("POOT_CPU_KERNELS", "1") == "0":
         return None
-    if not _lib_tried:
-        with _lock:
-            if not _lib_tried:
-                try:
-                    _lib = _build()
-                except (OSError, subprocess.SubprocessError):
-                    _lib = None
-                _lib_tried = True
-    return _lib
+    return _default.get()
+
+
+def main() -> int:
+    """Build (or find in the cache) the library and report it, or the compiler's error."""
+    print(f"sources:  {SOURCE_DIR} ({', '.join(p.name for p in sources(SOURCE_DIR))})")
+    print(f"compiler: {compiler()} {' '.join(FLAGS)}")
+    if os.environ.get("POOT_CPU_KERNELS", "1") == "0":
+        print("note:     POOT_CPU_KERNELS=0 is set, so the executor does not use the library")
+    cached = library_path().exists()
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+    except (KernelBuildError, OSError) as e:
+        print(f"build failed: {e}")
+        return 1
+    print(f"library:  {path} ({'cached' if cached else 'built now'})")
+    if hasattr(lib, "poot_features"):
+        lib.poot_features.restype = ctypes.c_int
+        print(f"uses:     {', '.join(sorted(features(lib))) or 'no vector extensions'}")
+        lacking = REQUIRED_FEATURES - features(lib)
+        if lacking:
+            print(f"note:     the executor does not use the library: it lacks {', '.join(sorted(lacking))}")
+    for name in SIGNATURES:
+        print(f"  {name:<20} {'present' if hasattr(lib, name) else 'MISSING'}")
+    from poot_core.cpu.packed_linear import C_TYPES
+
+    print(f"block types with a C kernel: {', '.join(C_TYPES)}")
+    return 0 if all(hasattr(lib, name) for name in SIGNATURES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+/* Attention over the float32 key/value cache: a few queries (decode) and blocks of queries (prefill). */
+#include "common.h"
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    s = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o[0..n) += w * v[0..n) */
+static inline void axpy_f32(float *o, float w, const float *v, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 wv = _mm512_set1_ps(w);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#endif
+    for (; i < n; i++) o[i] += w * v[i];
+}
+
+/* s[i] = exp(s[i] - top) for i < n, returning the sum (exp16 of the prelude; expf for the tail). */
+static inline float exp_shifted(float *s, int64_t n, float top) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef __AVX512F__
+    const __m512 t = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), t));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - top);
+        total += s[i];
+    }
+    return total;
+}
+
+/* Writes the step's keys and values k [R, T, Hkv, Dk], v [R, T, Hkv, Dv] into the caches [R, Hkv, C, Dk|Dv]
+   (contiguous) at their positions [R, T], then out[R, T, Hq, Dv] = softmax(scale * q . k) v for
+   q [R, T, Hq, Dk]. With cos_t, q and k are first rotated by rope (angles [R, T, half]; q_rotated: room for
+   q). Query t of row r sees the keys at max(0, p - window + 1) .. p, p = positions[r, t]
+   (window <= 0: no window); softcap > 0 applies softcap * tanh(score / softcap). scratch: [threads, C]. */
+void poot_attend_few(const float *q, const float *k, const float *v, int64_t rows, int64_t tokens, int64_t heads,
+                     int64_t kv_heads, int64_t dk, int64_t dv, float *k_cache, float *v_cache, int64_t capacity,
+                     const int64_t *positions, float scale, int64_t window, float softcap, float *out,
+                     float *scratch, int threads, const float *cos_t, const float *sin_t, int64_t half,
+                     int interleaved, float *q_rotated) {
+    const int64_t units = rows * tokens * heads, group = heads / kv_heads;
+    for (int64_t rt = 0; rt < rows * tokens; rt++) {
+        if (cos_t)  /* rope first (see rope_row): q into q_rotated, k straight into the cache below */
+            rope_row(q + rt * heads * dk, heads, dk, half, cos_t + rt * half, sin_t + rt * half, interleaved,
+                     q_rotated + rt * heads * dk);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = ((rt / tokens) * kv_heads + g) * capacity + positions[rt];
+            if (cos_t)
+                rope_row(k + (rt * kv_heads + g) * dk, 1, dk, half, cos_t + rt * half, sin_t + rt * half, interleaved,
+                         k_cache + at * dk);
+            else
+                memcpy(k_cache + at * dk, k + (rt * kv_heads + g) * dk, sizeof(float) * (size_t)dk);
+            memcpy(v_cache + at * dv, v + (rt * kv_heads + g) * dv, sizeof(float) * (size_t)dv);
+        }
+    }
+    if (cos_t) q = q_rotated;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        float *s = scratch + (int64_t)omp_get_thread_num() * capacity;
+        const int64_t h = u % heads, rt = u / heads, r = rt / tokens;
+        const int64_t p = positions[rt];
+        const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, n = p - first + 1;
+        const float *qv = q + u * dk;
+        const float *kb = k_cache + ((r * kv_heads + h / group) * capacity + first) * dk;
+        const float *vb = v_cache + ((r * kv_heads + h / group) * capacity + first) * dv;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float score = dot_f32(qv, kb + j * dk, dk) * scale;
+            if (softcap > 0.0f) score = tanhf(score / softcap) * softcap;
+            s[j] = score;
+            if (score > top) top = score;
+        }
+        const float inv = 1.0f / exp_shifted(s, n, top);
+        float *o = out + u * dv;
+        for (int64_t d = 0; d < dv; d++) o[d] = 0.0f;
+        for (int64_t j = 0; j < n; j++) axpy_f32(o, s[j], vb + j * dv, dv);
+        for (int64_t d = 0; d < dv; d++) o[d] *= inv;
+    }
+}
+
+#ifdef __AVX512F__
+#define QB 4   /* queries per register tile */
+#define KB 64  /* keys per register tile: 4 vectors of 16 */
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1), vectorized through exp16 */
+static inline __m512 tanh16(__m512 x) {
+    __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+}
+
+/* One tile: up to QB queries (rows q, positions p[i]) of one head against keys [k0, k0 + KB) of its key/value
+   head; kt: those keys transposed, kt[d * ld + j]; v: the value rows. Updates the online softmax state. */
+static void tile(const float *q, int64_t q_stride, int nq, const int64_t *p, int64_t k0, int64_t first_key,
+                 int64_t window, const float *kt, int64_t ld, const float *v, int64_t d, float scale, float softcap,
+                 float *top, float *total, float *o) {
+    __m512 acc[QB][4];
+    for (int i = 0; i < QB; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        const float *row = kt + e * ld + (k0 - first_key);
+        __m512 k4[4] = {_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), _mm512_loadu_ps(row + 32),
+                        _mm512_loadu_ps(row + 48)};
+        for (int i = 0; i < QB; i++) {
+            __m512 qe = _mm512_set1_ps(i < nq ? q[i * q_stride + e] : 0.0f);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(qe, k4[c], acc[i][c]);
+        }
+    }
+    float w[QB][KB];
+    for (int i = 0; i < nq; i++) {
+        __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const float last = (float)(p[i] - k0), lowest = window > 0 ? (float)(p[i] - window + 1 - k0) : -1e30f;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < 4; c++) {
+            __m512 sc = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(scale));
+            if (softcap > 0.0f)
+                sc = _mm512_mul_ps(tanh16(_mm512_div_ps(sc, _mm512_set1_ps(softcap))), _mm512_set1_ps(softcap));
+            __m512 at = _mm512_add_ps(lane, _mm512_set1_ps((float)(16 * c)));
+            __mmask16 keep = _mm512_cmp_ps_mask(at, _mm512_set1_ps(last), _CMP_LE_OQ) &
+                             _mm512_cmp_ps_mask(at, _mm512_set1_ps(lowest), _CMP_GE_OQ);
+            acc[i][c] = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), sc);
+            best = _mm512_max_ps(best, acc[i][c]);
+        }
+        const float tile_top = _mm512_reduce_max_ps(best);
+        if (tile_top == -INFINITY) {  /* no key of this tile is visible to this query */
+            for (int j = 0; j < KB; j++) w[i][j] = 0.0f;
+            continue;
+        }
+        const float new_top = tile_top > top[i] ? tile_top : top[i];
+        const float shrink = top[i] == -INFINITY ? 0.0f : expf(top[i] - new_top);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            __m512 e = exp16(_mm512_sub_ps(acc[i][c], _mm512_set1_ps(new_top)));
+            _mm512_storeu_ps(w[i] + 16 * c, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        total[i] = total[i] * shrink + _mm512_reduce_add_ps(sum);
+        top[i] = new_top;
+        for (int64_t e = 0; e < d; e++) o[i * d + e] *= shrink;
+    }
+    for (int i = nq; i < QB; i++)
+        for (int j = 0; j < KB; j++) w[i][j] = 0.0f;
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {  /* o[i, c0:c0+16] += sum_j w[i][j] * v[j, c0:c0+16] */
+        __m512 oa[QB];
+        for (int i = 0; i < QB; i++) oa[i] = _mm512_loadu_ps(o + i * d + c0);
+        for (int j = 0; j < KB; j++) {
+            __m512 vj = _mm512_loadu_ps(v + j * d + c0);
+            for (int i = 0; i < QB; i++) oa[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i][j]), vj, oa[i]);
+        }
+        for (int i = 0; i < QB; i++) _mm512_storeu_ps(o + i * d + c0, oa[i]);
+    }
+}
+#endif
+
+/* Prefill attention for d % 16 == 0 (keys and values of one size d): q [R, T, Hq, d] with token rows
+   q_stride apart, the caches [R, Hkv, C, d] already holding this step's keys and values, positions [R, T]
+   consecutive per row. out [R, T, Hq, d]. scratch: per thread, d * (C + KB) floats for the transposed keys.
+   Returns 0, or -1 where AVX-512 is missing (the caller uses torch). */
+int poot_attend_blocks(const float *q, int64_t q_stride, int64_t rows, int64_t tokens, int64_t heads,
+                       int64_t kv_heads, int64_t d, const float *k_cache, const float *v_cache, int64_t capacity,
+                       const int64_t *positions, float scale, int64_t window, float softcap, float *out,
+                       float *scratch, int threads) {
+#ifdef __AVX512F__
+    const int64_t group = heads / kv_heads, chunk = 64, chunks = (tokens + chunk - 1) / chunk;
+    const int64_t units = rows * kv_heads * chunks, ld = capacity + KB;
+    /* big chunks first: the last queries of a causal prompt see the most keys */
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        float *kt = scratch + (int64_t)omp_get_thread_num() * d * ld;
+        const int64_t ch = chunks - 1 - u % chunks, g = (u / chunks) % kv_heads, r = u / (chunks * kv_heads);
+        const int64_t t0 = ch * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
+        const int64_t *pos = positions + r * tokens;
+        const int64_t last = pos[t1 - 1];
+        int64_t first_key = window > 0 && pos[t0] - window + 1 > 0 ? pos[t0] - window + 1 : 0;
+        first_key -= first_key % KB;
+        const int64_t end_key = last + 1, n_keys = ((end_key - first_key + KB - 1) / KB) * KB;
+        const float *kb = k_cache + (r * kv_heads + g) * capacity * d;
+        const float *vb = v_cache + (r * kv_heads + g) * capacity * d;
+        for (int64_t j = 0; j < n_keys; j++)  /* transpose; keys past the end (masked anyway) read as zeros */
+            for (int64_t e = 0; e < d; e++)
+                kt[e * ld + j] = first_key + j < end_key ? kb[(first_key + j) * d + e] : 0.0f;
+        for (int64_t hh = 0; hh < group; hh++) {
+            const int64_t h = g * group + hh;
+            for (int64_t t = t0; t < t1; t += QB) {
+                const int nq = (int)(t1 - t < QB ? t1 - t : QB);
+                const float *qt = q + ((r * tokens + t) * q_stride) + h * d;
+                float top[QB], total[QB], o[QB * 256];
+                for (int i = 0; i < QB; i++) { top[i] = -INFINITY; total[i] = 0.0f; }
+                for (int64_t e = 0; e < QB * d; e++) o[e] = 0.0f;
+                const int64_t lo = window > 0 && pos[t] - window + 1 > first_key ? pos[t] - window + 1 : first_key;
+                for (int64_t k0 = first_key + ((lo - first_key) / KB) * KB; k0 <= pos[t + nq - 1]; k0 += KB) {
+                    float vtile[KB * 256];
+                    const float *v = vb + k0 * d;
+                    if (k0 + KB > end_key) {  /* the last tile: copy the real value rows, zeros after */
+                        for (int64_t j = 0; j < KB; j++)
+                            for (int64_t e = 0; e < d; e++)
+                                vtile[j * d + e] = k0 + j < end_key ? v[j * d + e] : 0.0f;
+                        v = vtile;
+                    }
+                    tile(qt, q_stride, nq, pos + t, k0, first_key, window, kt, ld, v, d, scale, softcap, top, total,
+                         o);
+                }
+                for (int i = 0; i < nq; i++) {
+                    float *dst = out + ((r * tokens + t + i) * heads + h) * d;
+                    const float inv = 1.0f / total[i];
+                    for (int64_t e = 0; e < d; e++) dst[e] = o[i * d + e] * inv;
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}

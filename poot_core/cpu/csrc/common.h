@@ -1,0 +1,73 @@
+/* Shared by every part of the CPU kernel library: the headers, and the helpers more than one part uses.
+   Each .c file in this folder is one part; poot_core/cpu/c_kernels.py compiles them all into one library. */
+#ifndef POOT_COMMON_H
+#define POOT_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* The IEEE half at p (2 bytes, any alignment) as a float. */
+static inline float f16(const uint8_t *p) {
+    uint16_t h; memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {
+            exp = 127 - 15 + 1;
+            while (!(man & 1024)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+#ifdef __AVX512F__
+/* exp(x) for 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (about
+   2 ulp, as vectorized exp libraries are); inputs below -104 give 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f),
+                                _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
+/* Rope for one token: its heads of head_dim values (x; out may lie elsewhere, even in the cache), the first
+   2 * half features of each rotated by (c, s): pairs (2i, 2i + 1) when interleaved, else (i, i + half); the
+   rest copied. */
+static inline void rope_row(const float *x, int64_t heads, int64_t head_dim, int64_t half, const float *c,
+                            const float *s, int interleaved, float *out) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *xh = x + h * head_dim;
+        float *oh = out + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+            const float a = xh[ia], b = xh[ib];
+            oh[ia] = a * c[i] - b * s[i];
+            oh[ib] = b * c[i] + a * s[i];
+        }
+        for (int64_t i = 2 * half; i < head_dim; i++) oh[i] = xh[i];
+    }
+}
+
+#endif
