@@ -36,12 +36,15 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 # Every exported C function: (argument types, result type). The callers are packed_linear (matrix products from
 # packed or 16-bit weights), c_attention (attention over the cache) and small_ops (norms, rope, silu).
 SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    # quant32.c: y = x @ W^T and dequantization for the 32-value block types
-    "poot_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _p, _i32], None),
+    # quant32.c: y = x @ W^T and dequantization for the 32-value block types (see packed_linear.CKernel)
+    "poot_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_dequant": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
     # kquant.c: the same for the 256-value K-quant types
     "poot_gemv_k": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_dequant_k": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
+    # kquant_low.c: the same for Q2_K, Q3_K and IQ4_XS
+    "poot_gemv_kl": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
+    "poot_dequant_kl": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
     # dense16.c: bf16 / f16 weights
     "poot_gemv16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32, _i32], None),
     # attention.c
@@ -92,13 +95,13 @@ def sources(src_dir: Path) -> list[Path]:
     return sorted(p for p in src_dir.iterdir() if p.suffix in (".c", ".h"))
 
 
-def library_path(src_dir: Path = SOURCE_DIR) -> Path:
-    """Where the library built from src_dir lives in the cache: keyed by the sources' names and bytes, the
-    compiler, the flags and the machine."""
+def library_path(src_dir: Path = SOURCE_DIR, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library built from src_dir with flags lives in the cache: keyed by the sources' names and
+    bytes, the compiler, the flags and the machine."""
     digest = hashlib.sha256()
     for path in sources(src_dir):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update((compiler() + " " + " ".join(FLAGS) + _machine_key()).encode())
+    digest.update((compiler() + " " + " ".join(flags) + _machine_key()).encode())
     return cache_dir() / f"cpu_kernels_{digest.hexdigest()[:16]}.so"
 
 
@@ -108,9 +111,10 @@ def _first_error_lines(output: str) -> str:
     return "\n".join(lines[start : start + ERROR_LINES])
 
 
-def build(src_dir: Path = SOURCE_DIR) -> Path:
-    """The library built from src_dir (compiled now unless the cache has it); KernelBuildError if it fails."""
-    target = library_path(src_dir)
+def build(src_dir: Path = SOURCE_DIR, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library built from src_dir (compiled now unless the cache has it); KernelBuildError if it fails.
+    Other flags than FLAGS are for tests (a build without vector instructions, say)."""
+    target = library_path(src_dir, flags)
     if target.exists():
         return target
     c_files = [str(p) for p in sources(src_dir) if p.suffix == ".c"]
@@ -119,7 +123,7 @@ def build(src_dir: Path = SOURCE_DIR) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / "k.so"
-        cmd = [compiler(), *FLAGS, "-o", str(out), *c_files, "-lm"]
+        cmd = [compiler(), *flags, "-o", str(out), *c_files, "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except FileNotFoundError:
