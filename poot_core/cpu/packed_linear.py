@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,61 +36,91 @@ from poot_core.cpu.c_kernels import kernels
 TILE_BYTES = 4 << 20
 # Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
 # beats dequantize-then-matmul.
+# FUSED_MAX_ROWS bounds the C kernels' per-row accumulators too.
 FUSED_MAX_ROWS = 4
-# GGUF type -> (elements, bytes) per block. FUSED_MAX_ROWS bounds the K-quant kernel's accumulators too.
-C_TYPES = {
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
+
+
+@dataclass(frozen=True)
+class CKernel:
+    """The C functions that compute from one GGUF block type, and the type id they take as first argument.
+
+    Every pair has the same two signatures (declared in c_kernels.SIGNATURES):
+      gemv(type, w, row_bytes, n, nb, x, m, y, threads): y[m, n] = x[m, nb * block] @ W^T for m <= FUSED_MAX_ROWS,
+        read straight from the n rows of nb blocks, row_bytes apart;
+      dequant(type, w, row_bytes, rows, nb, out, threads): out[rows, nb * block] = the exactly dequantized rows.
+    """
+
+    type_id: int
+    gemv: str
+    dequant: str
+
+
+# The registration point: one entry per GGUF block type with a C kernel (block sizes from gguf_blocks).
+C_TYPES: dict[str, CKernel] = {
+    "Q4_0": CKernel(0, "poot_gemv", "poot_dequant"),
+    "Q4_1": CKernel(1, "poot_gemv", "poot_dequant"),
+    "Q8_0": CKernel(2, "poot_gemv", "poot_dequant"),
+    "Q5_0": CKernel(6, "poot_gemv", "poot_dequant"),
+    "Q5_1": CKernel(7, "poot_gemv", "poot_dequant"),
+    "IQ4_NL": CKernel(8, "poot_gemv", "poot_dequant"),
+    "Q4_K": CKernel(3, "poot_gemv_k", "poot_dequant_k"),
+    "Q5_K": CKernel(4, "poot_gemv_k", "poot_dequant_k"),
+    "Q6_K": CKernel(5, "poot_gemv_k", "poot_dequant_k"),
 }
 
 
-_TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+@dataclass(frozen=True)
+class _Plan:
+    """What a C product from one weight needs, worked out once per weight."""
+
+    gemv: Callable[..., None]
+    dequant: Callable[..., None]
+    type_id: int
+    address: int
+    row_bytes: int
+    out_features: int
+    blocks_per_row: int
+    in_features: int
+
+    def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat: float32 [m, in] contiguous, m <= FUSED_MAX_ROWS."""
+        y = torch.empty(flat.shape[0], self.out_features)
+        self.gemv(self.type_id, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
+                  flat.data_ptr(), flat.shape[0], y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def tiles(self, flat: torch.Tensor) -> torch.Tensor:
+        """Tiles of rows dequantized into a reused float32 buffer, each multiplied by torch's matmul."""
+        n, k = self.out_features, self.in_features
+        tile = max(1, min(n, TILE_BYTES // (4 * k)))
+        buffer = torch.empty(tile, k)
+        out = torch.empty(flat.shape[0], n)
+        threads = torch.get_num_threads()
+        for start in range(0, n, tile):
+            rows = min(tile, n - start)
+            self.dequant(self.type_id, self.address + start * self.row_bytes, self.row_bytes, rows,
+                         self.blocks_per_row, buffer.data_ptr(), threads)
+            out[:, start : start + rows] = flat @ buffer[:rows].T
+        return out
 
 
-_plans: weakref.WeakKeyDictionary[PackedWeight, tuple[int, int, int, int, int]] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[PackedWeight, _Plan] = weakref.WeakKeyDictionary()
 
 
-def _plan(w: PackedWeight) -> tuple[int, int, int, int, int]:
-    """(type id, address of the blocks, bytes per row, rows, blocks per row), worked out once per weight."""
+def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
     plan = _plans.get(w)
     if plan is None:
-        blocks = w.parts["blocks"]
-        elements = C_TYPES[w.meta["type"]][0]
-        plan = (_TYPE_IDS[w.meta["type"]], blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements)
+        blocks, kind = w.parts["blocks"], C_TYPES[w.meta["type"]]
+        elements = gb.BLOCK_SIZES[w.meta["type"]][0]
+        plan = _Plan(getattr(lib, kind.gemv), getattr(lib, kind.dequant), kind.type_id, blocks.data_ptr(),
+                     blocks.stride(0), w.shape[0], w.shape[1] // elements, w.shape[1])
         _plans[w] = plan
     return plan
 
 
 def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    type_id, address, row_bytes, out_features, nb = _plan(w)
-    threads = torch.get_num_threads()
-    m = flat.shape[0]
-    k_quant = type_id >= 3
-    in_features = nb * (256 if k_quant else 32)
-    if m <= FUSED_MAX_ROWS:
-        x = flat.contiguous()
-        y = torch.empty(m, out_features)
-        if k_quant:
-            lib.poot_gemv_k(type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), threads)
-        else:
-            xsum = torch.empty(m, nb)
-            lib.poot_gemv(
-                type_id, address, row_bytes, out_features, nb, x.data_ptr(), m, y.data_ptr(), xsum.data_ptr(), threads
-            )
-        return y
-    dequant = lib.poot_dequant_k if k_quant else lib.poot_dequant
-    tile = max(1, min(out_features, TILE_BYTES // (4 * in_features)))
-    buffer = torch.empty(tile, in_features)
-    out = torch.empty(m, out_features)
-    for start in range(0, out_features, tile):
-        rows = min(tile, out_features - start)
-        dequant(type_id, address + start * row_bytes, row_bytes, rows, nb, buffer.data_ptr(), threads)
-        out[:, start : start + rows] = flat @ buffer[:rows].T
-    return out
+    plan = _plan(w, lib)
+    return plan.few_rows(flat.contiguous()) if flat.shape[0] <= FUSED_MAX_ROWS else plan.tiles(flat)
 
 
 def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
@@ -100,24 +131,13 @@ def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor |
         return None
     lib = kernels()
     assert lib is not None  # uses_c_kernel checked it
-    type_id, address, row_bytes, n, nb = _plan(w)
-    in_features = w.shape[1]
+    plan = _plan(w, lib)
 
     def product(x: torch.Tensor) -> torch.Tensor | None:
-        flat = x.reshape(-1, in_features)
-        m = flat.shape[0]
-        if m > FUSED_MAX_ROWS or flat.dtype != torch.float32:
+        flat = x.reshape(-1, plan.in_features)
+        if flat.shape[0] > FUSED_MAX_ROWS or flat.dtype != torch.float32:
             return None
-        flat = flat.contiguous()
-        y = torch.empty(m, n)
-        if type_id >= 3:
-            lib.poot_gemv_k(type_id, address, row_bytes, n, nb, flat.data_ptr(), m, y.data_ptr(),
-                            torch.get_num_threads())
-        else:
-            xsum = torch.empty(m, nb)
-            lib.poot_gemv(type_id, address, row_bytes, n, nb, flat.data_ptr(), m, y.data_ptr(), xsum.data_ptr(),
-                          torch.get_num_threads())
-        return y.reshape(*x.shape[:-1], n)
+        return plan.few_rows(flat.contiguous()).reshape(*x.shape[:-1], plan.out_features)
 
     return product
 
@@ -156,16 +176,15 @@ def _tiled(flat: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def uses_c_kernel(w: PackedWeight) -> bool:
-    blocks = w.parts.get("blocks")
+    blocks, kind = w.parts.get("blocks"), w.meta.get("type")
+    if w.layout != "gguf" or len(w.shape) != 2 or kind not in C_TYPES or blocks is None:
+        return False
+    elements, size = gb.BLOCK_SIZES[kind]
     return (
-        w.layout == "gguf"
-        and len(w.shape) == 2
-        and w.meta.get("type") in C_TYPES
-        and blocks is not None
-        and blocks.dim() == 2
+        blocks.dim() == 2
         and blocks.stride(1) == 1
-        and w.shape[1] % C_TYPES[w.meta["type"]][0] == 0
-        and tuple(blocks.shape) == (w.shape[0], w.shape[1] // C_TYPES[w.meta["type"]][0] * C_TYPES[w.meta["type"]][1])
+        and w.shape[1] % elements == 0
+        and tuple(blocks.shape) == (w.shape[0], w.shape[1] // elements * size)
         and kernels() is not None
     )
 

@@ -8,8 +8,24 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+/* The 256-bit vector routes (written for machines without AVX-512, and used by the newer kernels everywhere). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define POOT_AVX2 1
+#else
+#define POOT_AVX2 0
+#endif
+
+/* Marks the float (or vector) v as rounded: the empty asm hides its value, so the compiler cannot fuse the
+   multiply that made it with a following add into one FMA. Dequantization uses it where ggml (and numpy)
+   round d * q before adding the minimum. */
+#if defined(__x86_64__) || defined(__i386__)
+#define POOT_ROUNDED(v) __asm__("" : "+x"(v))
+#else
+#define POOT_ROUNDED(v) do { volatile __typeof__(v) poot_t_ = (v); (v) = poot_t_; } while (0)
 #endif
 
 /* The IEEE half at p (2 bytes, any alignment) as a float. */
@@ -49,6 +65,15 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, k);
+}
+#endif
+
+#if POOT_AVX2
+/* The sum of the 8 lanes of v. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

@@ -1,15 +1,48 @@
-/* Matrix products and dequantization for the GGUF types of 32-value blocks (Q4_0, Q4_1, Q8_0), read
-   straight from the memory-mapped blocks. */
+/* Matrix products and dequantization for the GGUF types of 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+   IQ4_NL), read straight from the memory-mapped blocks. Every block is d * c (+ m for Q4_1 and Q5_1) with an
+   f16 scale d, an f16 minimum m and 32 integer codes c that fit in int8. */
 #include "common.h"
 
-/* One block of 32 values as floats (before the scale): q - offset for Q4_0/Q8_0, q for Q4_1. */
-static inline void values(int type, const uint8_t *b, float *v) {
-    if (type == 0) {
-        for (int j = 0; j < 16; j++) { v[j] = (float)((b[2 + j] & 15) - 8); v[j + 16] = (float)((b[2 + j] >> 4) - 8); }
-    } else if (type == 1) {
-        for (int j = 0; j < 16; j++) { v[j] = (float)(b[4 + j] & 15); v[j + 16] = (float)(b[4 + j] >> 4); }
-    } else {
-        for (int j = 0; j < 32; j++) v[j] = (float)(int8_t)b[2 + j];
+/* The type ids (the first argument of poot_gemv and poot_dequant; packed_linear.C_TYPES maps names to them). */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 6, Q5_1 = 7, IQ4_NL = 8 };
+
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 18; /* Q4_0, IQ4_NL */
+    }
+}
+
+/* Where the codes start: 16 bytes of nibbles (value j in the low nibble of byte j, value j + 16 in its high
+   nibble), or Q8_0's 32 bytes. Q5_0 and Q5_1 keep the fifth bits of the 32 values in a uint32 before them. */
+static inline int codes_at(int type) { return type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2; }
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+
+/* The non-linear code book of IQ4_NL (ggml's kvalues_iq4nl). */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* The 32 codes of one block. */
+static inline void codes(int type, const uint8_t *b, int8_t *c) {
+    const uint8_t *q = b + codes_at(type);
+    if (type == Q8_0) {
+        memcpy(c, q, 32);
+        return;
+    }
+    uint32_t qh = 0;
+    if (type == Q5_0 || type == Q5_1) memcpy(&qh, b + codes_at(type) - 4, 4);
+    const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    for (int j = 0; j < 16; j++) {
+        const int lo = q[j] & 15, hi = q[j] >> 4;
+        if (type == IQ4_NL) {
+            c[j] = IQ4_VALUES[lo];
+            c[j + 16] = IQ4_VALUES[hi];
+        } else {
+            c[j] = (int8_t)((lo | (int)((qh >> j) & 1) << 4) - offset);
+            c[j + 16] = (int8_t)((hi | (int)((qh >> (j + 16)) & 1) << 4) - offset);
+        }
     }
 }
 
@@ -20,11 +53,11 @@ static inline __m512 q8_block_dot(const uint8_t *blk, const float *xb) {
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
     return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
 }
-#endif
 
-static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
-    const int64_t size = type == 0 ? 18 : type == 1 ? 20 : 34;
-#ifdef __AVX512F__
+
+/* One row times one x for Q4_0, Q4_1 and Q8_0 (the first kernels, kept as they were measured). */
+static float row_dot512(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
+    const int64_t size = block_bytes(type);
     /* Two accumulators so consecutive blocks do not wait on each other's multiply-add. */
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     if (type != 2) {
@@ -59,46 +92,204 @@ static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, c
         acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16(b0)), q8_block_dot(b0, x + b * 32), acc0);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-    float acc = 0.0f, v[32];
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * size;
-        values(type, blk, v);
-        float s = 0.0f;
-        for (int j = 0; j < 32; j++) s += v[j] * x[b * 32 + j];
-        acc += f16(blk) * s;
-        if (type == 1) acc += f16(blk + 2) * xsum[b];
-    }
-    return acc;
+}
 #endif
+
+#if POOT_AVX2
+/* Byte i of the result is 16 where bit i of the uint32 at p is set, else 0 (Q5's fifth bits, as ggml
+   spreads them: each byte picks its bit through an OR mask that leaves all ones only where the bit is set). */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-/* y[m, n] = x[m, nb * 32] @ W^T, W given as n rows of nb blocks, row_bytes apart; xsum: scratch [m, nb]. */
+/* The 32 codes of one block as int8 lanes. 4-bit codes with an offset or a code book go through a 16-entry
+   byte table (one shuffle: the AVX2 form of the AVX-512 route's float permute). */
+static inline __attribute__((always_inline)) __m256i codes256(const int type, const uint8_t *b) {
+    const uint8_t *q = b + codes_at(type);
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)q);
+    const __m128i packed = _mm_loadu_si128((const __m128i *)q);
+    __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(15));
+    if (type == IQ4_NL)
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)), c);
+    if (type == Q4_0) return _mm256_sub_epi8(c, _mm256_set1_epi8(8));
+    if (type == Q5_0 || type == Q5_1) c = _mm256_or_si256(c, fifth_bits(q - 4));
+    if (type == Q5_0) c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+    return c;
+}
+
+/* The 32 int8 codes as four vectors of 8 floats (values 0-7, 8-15, 16-23, 24-31). */
+static inline void widen(__m256i c, __m256 *f) {
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* One weight row times m x rows (m <= 4; both constants in each instantiation below): each block is decoded
+   once and dotted with every x row, y[r * n] = sum_b d_b * (c_b . x_rb) + m_b * sum(x_rb). */
+static inline __attribute__((always_inline)) void rows256(const int type, const int m, const uint8_t *row,
+                                                          int64_t nb, const float *x, const float *xsum, float *y,
+                                                          int64_t n) {
+    const int64_t size = block_bytes(type), k = nb * 32;
+    __m256 acc[4];
+    float macc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * size;
+        __m256 f[4];
+        widen(codes256(type, blk), f);
+        const __m256 d = _mm256_set1_ps(f16(blk));
+        const float mn = has_min(type) ? f16(blk + 2) : 0.0f;
+        for (int r = 0; r < m; r++) {
+            const float *xb = x + r * k + b * 32;
+            const __m256 p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+            const __m256 q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24),
+                                             _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(p, q), acc[r]);
+            if (has_min(type)) macc[r] += mn * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < m; r++) y[r * n] = hsum8(acc[r]) + macc[r];
+}
+
+#define POOT_ROWS256(T)                                                                  \
+    case T:                                                                              \
+        switch (m) {                                                                     \
+        case 1: rows256(T, 1, row, nb, x, xsum, y, n); return;                           \
+        case 2: rows256(T, 2, row, nb, x, xsum, y, n); return;                           \
+        case 3: rows256(T, 3, row, nb, x, xsum, y, n); return;                           \
+        default: rows256(T, 4, row, nb, x, xsum, y, n); return;                          \
+        }
+
+static void rows_dot256(int type, int m, const uint8_t *row, int64_t nb, const float *x, const float *xsum,
+                        float *y, int64_t n) {
+    switch (type) {
+    POOT_ROWS256(Q4_0)
+    POOT_ROWS256(Q4_1)
+    POOT_ROWS256(Q8_0)
+    POOT_ROWS256(Q5_0)
+    POOT_ROWS256(Q5_1)
+    POOT_ROWS256(IQ4_NL)
+    }
+}
+
+/* One block, dequantized into dst[32]: d * c, or (d * c rounded) + m. */
+static inline __attribute__((always_inline)) void dequant256(const int type, const uint8_t *blk, float *dst) {
+    __m256 f[4];
+    widen(codes256(type, blk), f);
+    const __m256 d = _mm256_set1_ps(f16(blk)), mn = _mm256_set1_ps(has_min(type) ? f16(blk + 2) : 0.0f);
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_mul_ps(d, f[i]);
+        if (has_min(type)) {
+            POOT_ROUNDED(v);
+            v = _mm256_add_ps(v, mn);
+        }
+        _mm256_storeu_ps(dst + 8 * i, v);
+    }
+}
+
+#define POOT_DEQUANT256(T)                                                               \
+    case T:                                                                              \
+        for (int64_t b = 0; b < nb; b++) dequant256(T, row + b * block_bytes(T), dst + 32 * b); \
+        return;
+
+static void dequant_row256(int type, const uint8_t *row, int64_t nb, float *dst) {
+    switch (type) {
+    POOT_DEQUANT256(Q4_0)
+    POOT_DEQUANT256(Q4_1)
+    POOT_DEQUANT256(Q8_0)
+    POOT_DEQUANT256(Q5_0)
+    POOT_DEQUANT256(Q5_1)
+    POOT_DEQUANT256(IQ4_NL)
+    }
+}
+#endif
+
+#if !POOT_AVX2
+/* One row times one x, without vector instructions. */
+static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum) {
+    const int64_t size = block_bytes(type);
+    float acc = 0.0f;
+    int8_t c[32];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * size;
+        codes(type, blk, c);
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += (float)c[j] * x[b * 32 + j];
+        acc += f16(blk) * s;
+        if (has_min(type)) acc += f16(blk + 2) * xsum[b];
+    }
+    return acc;
+}
+#endif
+
+/* y[m, n] = x[m, nb * 32] @ W^T for m <= 4, W given as n rows of nb blocks, row_bytes apart. */
 void poot_gemv(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
-               float *y, float *xsum, int threads) {
+               float *y, int threads) {
+    float *xsum = malloc(sizeof(float) * (size_t)(m * nb + 1));  /* sum(x) per block, for the minimum */
+    if (!xsum) {
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        return;
+    }
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int j = 0; j < 32; j++) s += x[r * nb * 32 + b * 32 + j];
             xsum[r * nb + b] = s;
         }
+#ifdef __AVX512F__
+    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t o = 0; o < n; o++)
+            for (int64_t r = 0; r < m; r++)
+                y[r * n + o] = row_dot512(type, w + o * row_bytes, nb, x + r * nb * 32, xsum + r * nb);
+        free(xsum);
+        return;
+    }
+#endif
+#if POOT_AVX2
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++) rows_dot256(type, (int)m, w + o * row_bytes, nb, x, xsum, y + o, n);
+#else
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++)
         for (int64_t r = 0; r < m; r++)
             y[r * n + o] = row_dot(type, w + o * row_bytes, nb, x + r * nb * 32, xsum + r * nb);
+#endif
+    free(xsum);
 }
 
-/* out[rows, nb * 32] = dequantized rows, exactly as ggml defines them (d * q, or d * q + m for Q4_1). */
+/* out[rows, nb * 32] = the dequantized rows, bit for bit as ggml defines them: d * c, or (d * c) + m with the
+   product rounded first. */
 void poot_dequant(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t nb, float *out, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < rows; o++) {
-        float v[32];
+        float *dst = out + o * nb * 32;
+#if POOT_AVX2
+        dequant_row256(type, w + o * row_bytes, nb, dst);
+#else
+        int8_t c[32];
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + o * row_bytes + b * (type == 0 ? 18 : type == 1 ? 20 : 34);
-            float d = f16(blk), mn = type == 1 ? f16(blk + 2) : 0.0f;
-            values(type, blk, v);
-            float *dst = out + o * nb * 32 + b * 32;
-            for (int j = 0; j < 32; j++) dst[j] = type == 1 ? d * v[j] + mn : d * v[j];
+            const uint8_t *blk = w + o * row_bytes + b * block_bytes(type);
+            const float d = f16(blk), mn = has_min(type) ? f16(blk + 2) : 0.0f;
+            codes(type, blk, c);
+            for (int j = 0; j < 32; j++) {
+                float v = d * (float)c[j];
+                if (has_min(type)) {
+                    POOT_ROUNDED(v);
+                    v += mn;
+                }
+                dst[32 * b + j] = v;
+            }
         }
+#endif
     }
 }

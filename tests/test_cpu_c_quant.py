@@ -1,0 +1,72 @@
+"""The C kernels for GGUF block types, called directly, in two builds: the machine's (-march=native: its vector
+routes) and one without vector instructions (the portable C). Dequantization must equal the gguf package's bit
+for bit; products must match the float64 product of those weights on fresh random blocks."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from poot_core.cpu import c_kernels
+from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS
+
+pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
+
+QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # gguf's Python side can quantize these
+# Byte offsets of the float16 fields inside each block (ggml's block structs); every other byte is random.
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_XS": [0]}
+PORTABLE = tuple("-march=x86-64" if f == "-march=native" else f for f in c_kernels.FLAGS)
+BUILDS = {"native": c_kernels.FLAGS, "portable": PORTABLE}
+_libs: dict[str, ctypes.CDLL] = {}
+
+
+def library(build: str) -> ctypes.CDLL:
+    if build not in _libs:
+        _libs[build] = c_kernels.load(c_kernels.build(flags=BUILDS[build]))
+    return _libs[build]
+
+
+def blocks_of(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """uint8 [rows, bytes per row]: quantized normal data where gguf can quantize the type, else random bytes
+    with random finite float16 scales (both shapes of input the kernels meet)."""
+    rng = np.random.default_rng(seed)
+    if type_name in QUANTIZABLE and seed % 2 == 0:
+        return quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType[type_name])
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        raw[:, at : at + 2] = rng.uniform(-0.1, 0.1, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("type_name", list(C_TYPES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dequant_and_products_match_gguf(type_name: str, build: str, seed: int) -> None:
+    lib, kernel = library(build), C_TYPES[type_name]
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    rows, cols = 37, 8 * block  # rows: not a multiple of any vector width
+    blocks = blocks_of(type_name, rows, cols, seed)
+    ref = quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+    nb = cols // block
+
+    out = np.full((rows, cols), np.nan, np.float32)
+    getattr(lib, kernel.dequant)(kernel.type_id, blocks.ctypes.data, blocks.shape[1], rows, nb, out.ctypes.data, 2)
+    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+    ref64 = ref.astype(np.float64)
+    for m in range(1, FUSED_MAX_ROWS + 1):
+        x = np.random.default_rng(100 * seed + m).standard_normal((m, cols)).astype(np.float32)
+        y = np.full((m, rows), np.nan, np.float32)
+        getattr(lib, kernel.gemv)(kernel.type_id, blocks.ctypes.data, blocks.shape[1], rows, nb, x.ctypes.data, m,
+                                  y.ctypes.data, 2)
+        expect = x.astype(np.float64) @ ref64.T
+        # float32 sums over `cols` terms: a few ulp of the largest partial sums
+        bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(ref64).T + 1e-30
+        assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"
