@@ -4,6 +4,10 @@ stops and timings.
 Each step shape is traced once by the family and prepared once by the executor; prepared programs live in
 a bounded cache. The KV state of row 0 remembers which tokens it holds, so a follow-up request that starts
 with the same tokens (the next turn of a conversation) prefills only what is new.
+
+With a draft policy (DriverOptions.draft) decode proposes several tokens and verifies them in one step of
+the target (see speculation.py); the tokens then go through the same stop, limit and callback path one by
+one, and the cache bookkeeping drops what was rejected (the next step writes over those positions).
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from poot_core.driver.sampling import Sampler
+from poot_core.driver.speculation import (
+    Draft,
+    DraftPolicy,
+    Proposal,
+    Speculation,
+    accept,
+    check_draft,
+    make_speculation,
+)
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, Reason, RequestError, Unsupported
 from poot_core.executor import Executor, Output, Program, State, Weights, device_greedy
@@ -42,6 +55,7 @@ class DriverOptions:
     capacity: int = 2048  # KV positions: prompt plus new tokens
     prefill_chunk: int = 128  # new tokens per prefill step
     max_programs: int = 16  # prepared step programs kept at once
+    draft: Draft = DraftPolicy.OFF  # speculative decoding: DraftPolicy.PromptLookup(...), .DraftModel(...)
 
 
 @dataclass
@@ -60,6 +74,9 @@ class Timings:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     reused_tokens: int = 0  # prompt tokens whose K/V was already in the cache
+    proposed: int = 0  # speculative decoding: tokens proposed to verify steps
+    accepted: int = 0  # ... and kept by them
+    verify_steps: int = 0
 
     @staticmethod
     def _rate(n: int, s: float) -> float:
@@ -72,6 +89,10 @@ class Timings:
     @property
     def decode_tok_s(self) -> float:
         return self._rate(self.decode_tokens, self.decode_seconds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
 
 
 @dataclass
@@ -98,6 +119,7 @@ class Driver:
                                 f"{config.max_positions} positions")
         self.config = config
         self.family = handle.family
+        check_draft(self.options.draft, handle)  # before any tensor is read
         self.weights: Weights = executor.upload(handle.store())
         # Greedy picks on the device when the executor can (one id crosses to the host, not the logits).
         self._greedy = device_greedy(executor)
@@ -107,6 +129,7 @@ class Driver:
         self._cached: list[int] = []  # tokens whose K/V row 0 holds, in order
         self._encode_prepared: dict[StepShape, tuple[Program, Graph, State]] = {}  # own states: see prepare_encode
         self.layout: Layout | None = None
+        self._speculation: Speculation | None = make_speculation(self.options.draft, self)
 
     # --- programs -------------------------------------------------------------------------------------
     def _trace(self, shape: StepShape) -> Graph:
@@ -195,15 +218,12 @@ class Driver:
         timings = Timings()
         sampler = request.sampler
         text = self.handle.text()
-        # Reuse the K/V of the longest common prefix (at least one token is always run to get logits).
-        reuse = _common_prefix(self._cached, prompt)
-        reuse = min(reuse, len(prompt) - 1)
-        timings.reused_tokens = reuse
         t0 = time.perf_counter()
-        self._cached = self._cached[:reuse]
-        last = self._prefill(prompt[reuse:], reuse)[-1]
-        self._cached = list(prompt)
-        timings.prefill_tokens = len(prompt) - reuse
+        last, timings.reused_tokens = self._extend(prompt)
+        timings.prefill_tokens = len(prompt) - timings.reused_tokens
+        spec = self._speculation
+        if spec is not None:
+            spec.begin(prompt)  # a draft model prefills the prompt into its own cache here
         timings.prefill_seconds = time.perf_counter() - t0
 
         stop_ids = set() if request.ignore_eos else set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
@@ -214,9 +234,10 @@ class Driver:
         pieces: list[str] = []
         reason = "length"
         limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
+        decided: list[int] = []  # tokens a verify step already chose; their K/V is in the cache but the last's
         t1 = time.perf_counter()
         while len(generated) < limit:
-            token = self._next_token(last, sampler, history)
+            token = decided.pop(0) if decided else self.next_token(last, sampler, history)
             generated.append(token)
             history.append(token)
             if token in stop_ids:
@@ -237,9 +258,19 @@ class Driver:
             if position >= cap:
                 reason = "capacity"
                 break
-            last = self._run([token], position, False)
-            self._cached.append(token)
             timings.decode_tokens += 1
+            if decided:
+                continue
+            proposal = None if spec is None else spec.propose(
+                history, min(limit - len(generated), cap - position) - 1, sampler)
+            if proposal is None:
+                last = self.step(token, position)
+                continue
+            decided = self._verify(proposal, position, sampler, history)
+            spec.kept(len(proposal.tokens), len(decided) - 1)
+            timings.verify_steps += 1
+            timings.proposed += len(proposal.tokens)
+            timings.accepted += len(decided) - 1
         else:
             if request.max_new < 0:
                 reason = "capacity"
@@ -253,7 +284,36 @@ class Driver:
         timings.decode_seconds = time.perf_counter() - t1
         return Generation(generated, "".join(pieces), reason, timings)
 
-    def _next_token(self, logits: Output, sampler: Sampler, history: list[int]) -> int:
+    def _extend(self, tokens: list[int]) -> tuple[Output, int]:
+        """Make the cache hold `tokens`, running only what it does not hold yet (always at least the last
+        token, for its logits). Returns the last position's output and how many tokens were reused."""
+        reuse = min(_common_prefix(self._cached, tokens), len(tokens) - 1)
+        self._cached = self._cached[:reuse]
+        last = self._prefill(tokens[reuse:], reuse)[-1]
+        self._cached = list(tokens)
+        return last, reuse
+
+    def prefill_cache(self, tokens: list[int]) -> Output:
+        """The output after `tokens`, reusing the cached prefix they share (a draft model catching up)."""
+        return self._extend(tokens)[0]
+
+    def step(self, token: int, position: int) -> Output:
+        """One decode step: `token` at `position`, which must be the cache's length."""
+        last = self._run([token], position, False)
+        self._cached.append(token)
+        return last
+
+    def _verify(self, proposal: Proposal, position: int, sampler: Sampler, history: list[int]) -> list[int]:
+        """Run history's last token and the proposal as one step at `position`, read the logits of every
+        position and return the tokens the rule keeps (see speculation.accept). The cache then holds the kept
+        tokens; the rejected positions are dropped from the bookkeeping and written over by the next step."""
+        tokens = [history[-1], *proposal.tokens]
+        logits = self.executor.to_numpy(self._run(tokens, position, True))[0]
+        decided = accept(logits, proposal, sampler, history)
+        self._cached = self._cached[:position] + tokens[: len(decided)]
+        return decided
+
+    def next_token(self, logits: Output, sampler: Sampler, history: list[int]) -> int:
         """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host."""
         if sampler.is_greedy and self._greedy is not None:
             return int(self._greedy(logits))

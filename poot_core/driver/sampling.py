@@ -53,6 +53,14 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
         """logits: float [vocab] of the next position; history: the tokens so far (prompt + generated)."""
+        ids, probs = self.distribution(logits, history)
+        if self.temperature == 0.0:
+            return int(ids[0])
+        return self.draw(ids, probs)
+
+    def distribution(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution `sample` draws from: (token ids, float64 probabilities summing to 1), the ids
+        in order of decreasing logit. Greedy (temperature 0) is the point mass on the argmax."""
         x = np.asarray(logits, dtype=np.float64).copy()
         if self.repeat_penalty != 1.0 and self.repeat_last_n != 0:
             recent = np.unique(np.asarray(history[-self.repeat_last_n :], dtype=np.int64))
@@ -60,7 +68,7 @@ class Sampler:
             vals = x[recent]
             x[recent] = np.where(vals > 0, vals / self.repeat_penalty, vals * self.repeat_penalty)
         if self.temperature == 0.0:
-            return int(np.argmax(x))
+            return np.array([int(np.argmax(x))]), np.ones(1)
         ids = np.arange(x.size)
         if self.top_k > 0 and self.top_k < x.size:
             keep = np.argpartition(-x, self.top_k - 1)[: self.top_k]
@@ -74,8 +82,15 @@ class Sampler:
         if self.min_p > 0.0:
             keep = probs >= self.min_p * probs[0]
             ids, x = ids[keep], x[keep]
-        probs = _softmax(x / self.temperature)
+        return ids, _softmax(x / self.temperature)
+
+    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """One id drawn from (ids, probs) on this sampler's random stream."""
         return int(ids[self._rng.choice(probs.size, p=probs)])
+
+    def uniform(self) -> float:
+        """A uniform draw in [0, 1) on this sampler's random stream (the accept test of speculative decoding)."""
+        return float(self._rng.random())
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

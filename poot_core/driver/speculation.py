@@ -1,0 +1,305 @@
+"""Speculative decoding: the draft policies, their proposers, and the rule that verifies a proposal.
+
+A proposer guesses the next few tokens; the target runs its last token and the guesses as one step whose
+logits at every position are read, and the rule keeps the longest prefix the target agrees with plus one token
+of the target's own. Greedy: a guess is kept when it equals the target's pick, so the output is the
+non-speculative output token for token. Sampling: the standard rejection rule (keep a guess d with probability
+min(1, p(d)/q(d)), else draw from the normalized max(0, p - q)), so every token is distributed exactly as the
+target's sampler would draw it; p is the Sampler's own distribution (repeat penalty, top-k, top-p, min-p,
+temperature). Prompt lookup proposes deterministically: q is a point mass and the rule keeps d with
+probability p(d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+import numpy as np
+
+from poot_core.driver.sampling import Sampler
+from poot_core.errors import Reason, RequestError, Unsupported
+
+if TYPE_CHECKING:
+    from poot_core.checkpoint.handle import ModelHandle
+    from poot_core.driver.core import Driver
+    from poot_core.executor import Executor
+
+Distribution: TypeAlias = tuple[np.ndarray, np.ndarray]  # (ids, probabilities), as Sampler.distribution
+
+
+# --- the policies (DriverOptions.draft) ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Off:
+    """No speculation: one token per decode step."""
+
+    def carry_window(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """Propose the tokens that followed the latest earlier occurrence of the last n tokens (n from max_ngram
+    down to min_ngram) in the prompt and the output so far (repeated when the match ends fewer than k
+    tokens before the end). k: the most tokens proposed at once; min_k: a
+    proposal shorter than this is dropped and the step is a plain decode step."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    k: int = 8
+    min_k: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise RequestError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram} and "
+                               f"{self.max_ngram}")
+        _check_k(self.k, self.min_k)
+
+    def carry_window(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class DraftModel:
+    """A smaller model of the same vocabulary proposes k tokens, on its own KV cache and on `executor` (None:
+    the target's executor)."""
+
+    handle: ModelHandle
+    k: int = 8
+    min_k: int = 1
+    executor: Executor | None = None
+
+    def __post_init__(self) -> None:
+        _check_k(self.k, self.min_k)
+
+    def carry_window(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """The family's multi-token-prediction layers propose k tokens from the target's last hidden state."""
+
+    k: int = 1
+    min_k: int = 1
+
+    def __post_init__(self) -> None:
+        _check_k(self.k, self.min_k)
+
+    def carry_window(self) -> int | None:
+        return 1
+
+
+Draft: TypeAlias = Off | PromptLookup | DraftModel | Mtp
+
+
+class DraftPolicy:
+    """The choices for DriverOptions.draft: DraftPolicy.OFF, DraftPolicy.PromptLookup(...),
+    DraftPolicy.DraftModel(handle, k) and DraftPolicy.Mtp(k)."""
+
+    OFF = Off()
+    PromptLookup = PromptLookup
+    DraftModel = DraftModel
+    Mtp = Mtp
+
+
+def _check_k(k: int, min_k: int) -> None:
+    if k < 1 or not 0 <= min_k <= k:
+        raise RequestError(f"a draft policy needs k >= 1 and 0 <= min_k <= k, got k={k}, min_k={min_k}")
+
+
+def check_draft(draft: Draft, target: ModelHandle) -> None:
+    """Refuse a policy that cannot work with `target`, from configs and tokenizers only (no tensor is read)."""
+    if isinstance(draft, DraftModel):
+        check_same_vocabulary(target, draft.handle)
+    elif isinstance(draft, Mtp):
+        raise Unsupported(Reason.SHAPE, f"MTP speculation on {target.family.name}",
+                          "multi-token-prediction proposals are not built yet; use prompt lookup or a draft model")
+    elif not isinstance(draft, Off | PromptLookup):
+        raise RequestError(f"DriverOptions.draft must be a DraftPolicy, got {draft!r}")
+
+
+def check_same_vocabulary(target: ModelHandle, draft: ModelHandle) -> None:
+    """A draft model must give every id the same token as the target, or its proposals mean other text."""
+    a, b = target.config().vocab_size, draft.config().vocab_size
+    if a != b:
+        raise RequestError(f"the draft model's vocabulary has {b} entries and the target's {a}: a draft must "
+                           "share the target's tokenizer")
+    ta, tb = target.text().vocab.tokenizer, draft.text().vocab.tokenizer
+    if ta.get_vocab(with_added_tokens=True) != tb.get_vocab(with_added_tokens=True):
+        raise RequestError("the draft model's tokenizer maps ids to other tokens than the target's: a draft "
+                           "must share the target's tokenizer")
+
+
+# --- proposers ------------------------------------------------------------------------------------------
+@dataclass
+class Proposal:
+    tokens: list[int]
+    # The proposer's distribution each token was drawn from; None: chosen deterministically (a point mass).
+    q: list[Distribution] | None = None
+
+
+class Proposer(Protocol):
+    def begin(self, prompt: list[int]) -> None:
+        """A new request starts with `prompt` (already in the target's cache)."""
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+        """At most k tokens to follow `history` (prompt and output so far)."""
+
+
+class LookupProposer:
+    """Prompt lookup over an index of every n-gram of the history to where it last ended, kept up to date as
+    the history grows (a new request rebuilds it)."""
+
+    def __init__(self, policy: PromptLookup) -> None:
+        self.policy = policy
+        self._seen: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence with a successor
+
+    def begin(self, prompt: list[int]) -> None:
+        self._seen, self._ends = [], {}
+
+    def _index(self, history: list[int]) -> None:
+        seen = self._seen
+        if history[: len(seen)] != seen:
+            seen, self._ends = [], {}
+        lo, hi = self.policy.min_ngram, self.policy.max_ngram
+        # n-grams ending at e < len(history) have a successor (history[e]); index those not yet indexed.
+        for end in range(max(len(seen), 1), len(history)):
+            for n in range(lo, min(hi, end) + 1):
+                self._ends[tuple(history[end - n : end])] = end
+        self._seen = list(history)
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+        self._index(history)
+        for n in range(min(self.policy.max_ngram, len(history)), self.policy.min_ngram - 1, -1):
+            end = self._ends.get(tuple(history[-n:]))
+            if end is not None:
+                # What followed the match; a match closer to the end than k repeats that stretch, as a
+                # periodic text (a run of one token, a repeated line) would go on.
+                period = len(history) - end
+                return Proposal([history[end + j % period] for j in range(k)])
+        return Proposal([])
+
+
+class DraftModelProposer:
+    """A draft model on its own Driver: it catches up with the accepted history (its cache keeps the longest
+    prefix it shares), then decodes k tokens, greedily or drawing from its own sampler distribution."""
+
+    def __init__(self, policy: DraftModel, target: Driver) -> None:
+        from poot_core.driver.core import Driver, DriverOptions
+
+        options = DriverOptions(capacity=target.options.capacity, prefill_chunk=target.options.prefill_chunk,
+                                max_programs=target.options.max_programs)
+        self.driver = Driver(policy.handle, policy.executor or target.executor, options).serve()
+
+    def begin(self, prompt: list[int]) -> None:
+        self.driver.prefill_cache(prompt)
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+        d = self.driver
+        last = d.prefill_cache(history)
+        seq = list(history)
+        tokens: list[int] = []
+        q: list[Distribution] | None = None if sampler.temperature == 0.0 else []
+        for i in range(k):
+            if q is None:
+                token = d.next_token(last, sampler, seq)
+            else:
+                dist = sampler.distribution(d.executor.to_numpy(last)[0, -1], seq)
+                token = sampler.draw(*dist)
+                q.append(dist)
+            tokens.append(token)
+            seq.append(token)
+            if i + 1 < k:
+                last = d.step(token, len(seq) - 1)
+        return Proposal(tokens, q)
+
+
+def make_speculation(draft: Draft, target: Driver) -> Speculation | None:
+    """The per-driver speculation state for a policy; None for OFF."""
+    if isinstance(draft, PromptLookup):
+        return Speculation(LookupProposer(draft), draft.k, draft.min_k)
+    if isinstance(draft, DraftModel):
+        return Speculation(DraftModelProposer(draft, target), draft.k, draft.min_k)
+    return None
+
+
+# --- the verify rule -----------------------------------------------------------------------------------------
+def accept(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: list[int]) -> list[int]:
+    """The tokens to emit after one verify step: the kept prefix of the proposal, then one token of the
+    target's own. logits [len(proposal) + 1, vocab]: row i is the target's next-token logits after the history
+    and the first i proposed tokens."""
+    drafts = proposal.tokens
+    if sampler.temperature == 0.0:  # deterministic picks (greedy, with or without repeat penalty)
+        out: list[int] = []
+        for i in range(len(drafts) + 1):
+            pick = (int(np.argmax(logits[i])) if sampler.is_greedy
+                    else sampler.sample(logits[i], history + drafts[:i]))
+            out.append(pick)
+            if i == len(drafts) or pick != drafts[i]:
+                return out
+    out = []
+    for i, d in enumerate(drafts):
+        p_ids, p = sampler.distribution(logits[i], history + drafts[:i])
+        p_d = float(p[p_ids == d].sum())
+        if proposal.q is None:
+            q_ids, q = np.array([d]), np.ones(1)
+        else:
+            q_ids, q = proposal.q[i]
+        q_d = float(q[q_ids == d].sum())
+        if sampler.uniform() < min(1.0, p_d / q_d):
+            out.append(d)
+            continue
+        out.append(_draw_residual(sampler, p_ids, p, q_ids, q))
+        return out
+    out.append(sampler.draw(*sampler.distribution(logits[len(drafts)], history + drafts)))
+    return out
+
+
+def _draw_residual(sampler: Sampler, p_ids: np.ndarray, p: np.ndarray, q_ids: np.ndarray,
+                   q: np.ndarray) -> int:
+    """A draw from max(0, p - q), normalized: where the target puts more mass than the proposer did."""
+    q_on_p = np.zeros_like(p)
+    index = {int(t): j for j, t in enumerate(p_ids)}
+    for t, mass in zip(q_ids, q, strict=True):
+        j = index.get(int(t))
+        if j is not None:
+            q_on_p[j] = mass
+    residual = np.maximum(p - q_on_p, 0.0)
+    total = residual.sum()
+    if not total > 0:  # p == q up to rounding: the rejection had probability ~0; p itself is the residual
+        return sampler.draw(p_ids, p)
+    return sampler.draw(p_ids, residual / total)
+
+
+@dataclass
+class Speculation:
+    """One request's proposer with an adaptive proposal length: it grows by 2 after a proposal kept whole
+    and falls to one past what was kept otherwise (Hugging Face's heuristic schedule), so that text the
+    proposer cannot predict costs verify steps of width 2, close to a decode step."""
+
+    proposer: Proposer
+    k: int
+    min_k: int
+    length: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.length = self.k
+
+    def begin(self, prompt: list[int]) -> None:
+        self.length = self.k
+        self.proposer.begin(prompt)
+
+    def propose(self, history: list[int], room: int, sampler: Sampler) -> Proposal | None:
+        """A proposal of at most min(length, room) tokens, or None where a plain decode step is better."""
+        k = min(self.length, room)
+        if k < max(self.min_k, 1):
+            return None
+        proposal = self.proposer.propose(history, k, sampler)
+        if len(proposal.tokens) < max(self.min_k, 1):
+            return None
+        return proposal
+
+    def kept(self, proposed: int, accepted: int) -> None:
+        self.length = min(self.k, self.length + 2) if accepted == proposed else max(1, accepted + 1)
