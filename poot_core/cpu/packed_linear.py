@@ -9,8 +9,8 @@ Routes:
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
-Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c and dense16.c, built by
-poot_core.cpu.c_kernels.
+Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c (Q2_K,
+Q3_K, IQ4_XS) and dense16.c, built by poot_core.cpu.c_kernels.
 
 `fast=True` is an explicit, less exact option for the 4-bit GGUF types with an affine form (Q4_0, Q4_1, Q4_K):
 their codes are re-laid once, losslessly, into torch's packed int4 CPU format (same 4 bits per weight) and the
@@ -66,6 +66,9 @@ C_TYPES: dict[str, CKernel] = {
     "Q4_K": CKernel(3, "poot_gemv_k", "poot_dequant_k"),
     "Q5_K": CKernel(4, "poot_gemv_k", "poot_dequant_k"),
     "Q6_K": CKernel(5, "poot_gemv_k", "poot_dequant_k"),
+    "Q2_K": CKernel(0, "poot_gemv_kl", "poot_dequant_kl"),
+    "Q3_K": CKernel(1, "poot_gemv_kl", "poot_dequant_kl"),
+    "IQ4_XS": CKernel(2, "poot_gemv_kl", "poot_dequant_kl"),
 }
 
 
