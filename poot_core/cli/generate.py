@@ -1,69 +1,73 @@
 """`poot generate`: llama-cli's flags where poot has the capability.
 
-Every refusal that needs no weights (flag combinations, template values and files, a conversation on a
-model without a template) happens before the weights are touched, as a one-line message and exit 1.
+Every refusal that needs no weights (flag combinations, template values and files, a conversation or a
+system prompt on a model without a template) happens before the weights are touched, as a one-line
+message and exit 1. A flag that cannot change anything in the run it is given to (a sampling flag under
+greedy decoding) is a one-line warning. llama-cli's flags that poot does not have are refused by name
+(llama_flags.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
-import time
+import json
 from pathlib import Path
 from typing import Any
 
-from poot_core.errors import CapacityError, RequestError
+from poot_core.cli import runtime
+from poot_core.cli.args import version
+from poot_core.cli.chat import Conversation, run_conversation
+from poot_core.errors import RequestError
 
-BACKENDS = ("auto", "cpu", "cuda", "ptx", "rocm", "vulkan", "wgpu")
-BACKEND_NAMES = {"ptx": "cuda", "wgpu": "vulkan"}
+DEFAULT_CTX = 4096
+# Sampling flags whose default is None so that poot can tell whether they were given.
+SAMPLING_DEFAULTS = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt (llama-cli flags)")
-    p.add_argument("-m", "--model", required=True, help="a safetensors checkpoint directory or a .gguf file")
+    p = sub.add_parser("generate", help="generate text from a prompt (llama-cli flags)",
+                       description="Generate text from a prompt, or chat with --conversation.")
+    p.add_argument("-m", "--model", required=True, help="a safetensors checkpoint directory or a .gguf file "
+                   "(required)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="the prompt (a user turn when the model has a chat template)")
     src.add_argument("-f", "--file", help="read the prompt from a file")
-    p.add_argument("--system-prompt", help="a system turn before the prompt")
+    p.add_argument("--system-prompt", metavar="TEXT", help="a system turn before the prompt (needs a chat template)")
     p.add_argument("--no-chat-template", action="store_true", help="continue the text as written")
     p.add_argument("--chat-template", metavar="JINJA", help="render turns through this jinja template")
     p.add_argument("--chat-template-file", metavar="FILE", help="read the jinja chat template from a file")
-    p.add_argument("--conversation", action="store_true", help="read one user turn per line of stdin")
-    p.add_argument("--single-turn", action="store_true", help="end after one reply")
-    p.add_argument("-n", "--n-predict", type=int, default=-1, help="new tokens (-1: until end of sequence)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context window (0: the model's own)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy, exact tokens)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1: random)")
-    p.add_argument("-r", "--reverse-prompt", action="append", default=[], help="stop at this string")
-    p.add_argument("--ignore-eos", action="store_true", help="generate through end-of-sequence")
-    p.add_argument("--show-timings", action=argparse.BooleanOptionalAction, default=True,
-                   help="print prefill and decode tokens/s to stderr (default: on)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the run does to stderr")
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--prefill-chunk", type=int, default=256, help=argparse.SUPPRESS)
+    p.add_argument("--conversation", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat: on a terminal with a prompt and line editing, else one user turn per line of stdin "
+                        "(default: off)")
+    p.add_argument("--single-turn", action="store_true",
+                   help="a conversation of one turn: -p/-f, or else the first line of stdin (implies "
+                        "--conversation)")
+    p.add_argument("-n", "--n-predict", "--predict", type=int, default=-1, metavar="N",
+                   help="new tokens per reply; -1: until end of sequence or the end of the window")
+    runtime.add_device_flags(p, DEFAULT_CTX)
+    p.add_argument("--temp", "--temperature", type=float, default=0.0, metavar="T",
+                   help="temperature; 0 is greedy, poot's exact-token convention (llama-cli samples at 0.80)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="top-k sampling (default: 40; with --temp > 0)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="top-p sampling (default: 0.95; with --temp > 0)")
+    p.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="min-p sampling (default: 0.05; with --temp > 0)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="X", help="penalty for repeated tokens")
+    p.add_argument("-s", "--seed", type=int, default=None, metavar="N",
+                   help="random seed (default: -1, a random one; with --temp > 0)")
+    p.add_argument("-r", "--reverse-prompt", action="append", default=[], metavar="TEXT",
+                   help="stop at this string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate through end-of-sequence and the chat template's end-of-turn markers")
+    p.add_argument("--show-timings", action=argparse.BooleanOptionalAction, default=None,
+                   help="print load, prefill and decode speed to stderr after each reply (default: on, except "
+                        "in an interactive chat unless -v)")
+    p.add_argument("--verbose-prompt", action="store_true", help="print the rendered prompt and its tokens to stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, stop reason, timings) instead of streaming the text")
+    p.add_argument("--prefill-chunk", type=int, dest="batch_size", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--version", action="version", version=f"poot {version()}")
     p.set_defaults(run=run)
-
-
-class Session:
-    """What one `poot generate` run holds: the driver, the conversation so far, and the output stream."""
-
-    def __init__(self, args: argparse.Namespace, template: str | None) -> None:
-        self.args = args
-        self.template = template
-        self.interrupted = False
-        self.messages: list[dict[str, str]] = []
-        self.stops: list[str] = []  # the chat template's turn-end markers
-        if args.system_prompt:
-            self.messages.append({"role": "system", "content": args.system_prompt})
-
-    def log(self, text: str) -> None:
-        if self.args.verbose:
-            print(f"[poot] {text}", file=sys.stderr, flush=True)
 
 
 def _read_template(args: argparse.Namespace) -> str | None:
@@ -87,24 +91,37 @@ def _read_template(args: argparse.Namespace) -> str | None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.single_turn:
+        if args.conversation is False:
+            raise RequestError("--single-turn is a conversation of one turn; it does not combine with "
+                               "--no-conversation")
+        args.conversation = True
     if args.no_chat_template and (args.chat_template is not None or args.chat_template_file is not None):
         raise RequestError("--no-chat-template does not combine with --chat-template or --chat-template-file")
     if args.chat_template is not None and args.chat_template_file is not None:
         raise RequestError("--chat-template and --chat-template-file do not combine; give one")
     if args.conversation and args.no_chat_template:
         raise RequestError("--conversation needs a chat template; it does not combine with --no-chat-template")
+    if args.system_prompt is not None and args.no_chat_template:
+        raise RequestError("--system-prompt is a turn of the chat template; it does not combine with "
+                           "--no-chat-template")
+    if args.json and args.conversation:
+        raise RequestError("--json prints one reply as one object; it does not combine with --conversation")
     if not args.conversation and args.prompt is None and args.file is None:
         raise RequestError("give a prompt with -p or -f (or use --conversation)")
     if args.n_predict < -1:
         raise RequestError(f"-n must be -1 or >= 0, got {args.n_predict}")
-    if args.ctx_size < 0:
-        raise RequestError(f"-c must be >= 0, got {args.ctx_size}")
+    runtime.check_device_flags(args)
+    if args.temp <= 0:
+        unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                           ("--min-p", args.min_p), ("-s", args.seed)) if value is not None]
+        if unused:
+            runtime.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at --temp 0 "
+                         "(greedy decoding); give --temp above 0 to sample")
 
 
 def _model_has_template(model: Path) -> bool:
     """Whether the checkpoint ships a chat template, read from its small metadata only (no weights)."""
-    import json
-
     if model.is_dir():
         if (model / "chat_template.jinja").exists():
             return True
@@ -137,90 +154,26 @@ def run(args: argparse.Namespace) -> int:
     if args.conversation and not use_chat:
         raise RequestError(f"--conversation needs a chat template and {model} ships none; "
                            "pass --chat-template-file")
+    if args.system_prompt is not None and not use_chat:
+        raise RequestError(f"--system-prompt needs a chat template and {model} ships none; pass "
+                           "--chat-template-file, or put the text in the prompt")
     prompt = _prompt_text(args)
-    session = Session(args, template)
-
-    from poot_core import Driver, DriverOptions, ModelHandle, open_executor
-    from poot_core.cli.progress import warm_with_progress
-
-    t0 = time.perf_counter()
-    warm_with_progress(model)
-    handle = ModelHandle.load(model)
-    config = handle.config()
-    ctx = args.ctx_size or config.max_positions
-    first_ids = _turn_ids(session, handle, prompt, use_chat) if prompt is not None else None
-    if first_ids is not None:
-        _check_fits(len(first_ids), args.n_predict, ctx)
-    backend = BACKEND_NAMES.get(args.backend, args.backend)
-    executor = open_executor(backend)
-    session.log(f"model {model} ({config.family}, {config.architecture}); backend {executor.name}; "
-                f"context {ctx}")
-    driver = Driver(handle, executor, DriverOptions(capacity=ctx, prefill_chunk=args.prefill_chunk)).serve()
-    session.log(f"loaded in {time.perf_counter() - t0:.2f} s")
-
-    previous = signal.signal(signal.SIGINT, lambda *_: setattr(session, "interrupted", True))
-    try:
-        if first_ids is not None:
-            reply = _answer(session, driver, handle, first_ids)
-            if use_chat:
-                session.messages.append({"role": "assistant", "content": reply})
-        if args.conversation and not args.single_turn:
-            for line in sys.stdin:
-                if session.interrupted:
-                    break
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                ids = _turn_ids(session, handle, line, True)
-                _check_fits(len(ids), args.n_predict, ctx)
-                reply = _answer(session, driver, handle, ids)
-                session.messages.append({"role": "assistant", "content": reply})
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    return 130 if session.interrupted else 0
+    loaded = runtime.load(args, model, default_ctx=DEFAULT_CTX)
+    chat = Conversation(args, loaded, template, use_chat)
+    if args.conversation:
+        return run_conversation(chat, prompt)
+    result = chat.answer(prompt or "", stream=not args.json)
+    if args.json:
+        print(json.dumps(_json_result(chat, result)))
+    return 130 if chat.interrupted else 0
 
 
-def _check_fits(prompt_tokens: int, n_predict: int, ctx: int) -> None:
-    if prompt_tokens + max(n_predict, 0) > ctx or prompt_tokens >= ctx:
-        raise CapacityError(f"the prompt ({prompt_tokens} tokens) plus -n {n_predict} does not fit the context "
-                            f"window of {ctx} (-c)")
-
-
-def _turn_ids(session: Session, handle: Any, text: str, use_chat: bool) -> list[int]:
-    """Token ids of the whole conversation so far plus this user turn (or of the plain text)."""
-    services = handle.text()
-    if not use_chat:
-        return services.encode(text)
-    session.messages.append({"role": "user", "content": text})
-    rendered = services.render_chat_value(session.messages, template=session.template)
-    session.stops = list(rendered.stops)
-    return services.encode_chat(rendered)
-
-
-def _answer(session: Session, driver: Any, handle: Any, ids: list[int]) -> str:
-    from poot_core import GenerateRequest, GenerationControl, Sampler
-
-    a = session.args
-    sampler = Sampler(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                      repeat_penalty=a.repeat_penalty, seed=None if a.seed < 0 else a.seed)
-    stops = [*a.reverse_prompt, *session.stops]
-
-    def on_token(token: int, piece: str) -> GenerationControl:
-        if piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        return GenerationControl.BREAK if session.interrupted else GenerationControl.CONTINUE
-
-    request = GenerateRequest(ids, a.n_predict, sampler, stops, a.ignore_eos)
-    result = driver.generate(request, on_token)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+def _json_result(chat: Conversation, result: Any) -> dict[str, Any]:
     t = result.timings
-    session.log(f"turn: {len(ids)} prompt tokens, {t.reused_tokens} reused from the cache, "
-                f"{t.prefill_tokens} prefilled; {len(result.tokens)} generated; stopped by {result.stop_reason}")
-    if a.show_timings:
-        print(f"prefill: {t.prefill_tokens} tokens in {t.prefill_seconds:.3f} s ({t.prefill_tok_s:.1f} tok/s) | "
-              f"decode: {t.decode_tokens} tokens in {t.decode_seconds:.3f} s ({t.decode_tok_s:.1f} tok/s)",
-              file=sys.stderr, flush=True)
-    return result.text
-
+    return {"model": str(chat.args.model), "backend": chat.loaded.executor.name, "context": chat.loaded.ctx,
+            "text": result.text, "tokens": list(result.tokens), "prompt_tokens": chat.last_prompt_tokens,
+            "stop_reason": result.stop_reason,
+            "timings": {"load_seconds": chat.loaded.load_seconds, "prefill_tokens": t.prefill_tokens,
+                        "prefill_seconds": t.prefill_seconds, "prefill_tok_s": t.prefill_tok_s,
+                        "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
+                        "decode_tok_s": t.decode_tok_s, "reused_tokens": t.reused_tokens}}

@@ -1,8 +1,9 @@
-"""`poot`: one command with subcommands (generate, embed, plugins, manifest).
+"""`poot`: one command with subcommands (generate, perplexity, embed, plugins, manifest).
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`.
-Errors poot raises on purpose print as one line on stderr with a non-zero exit; a broken pipe on stdout
-exits quietly.
+Errors poot raises on purpose print as one line on stderr with exit 1; anything else is one line too, with
+the traceback only under -v or POOT_TRACEBACK=1. Ctrl-C exits 130 without a traceback; a broken pipe on
+stdout exits quietly.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
+from poot_core.cli.args import Parser, version
 from poot_core.errors import PootError
 
-COMMANDS = ("generate", "embed", "plugins", "manifest")
+COMMANDS = ("generate", "perplexity", "embed", "plugins", "manifest")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="poot", description="Run LLM checkpoints on the CPU or a GPU.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="poot", description="Run LLM checkpoints on the CPU or a GPU.")
+    parser.add_argument("--version", action="version", version=f"poot {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"poot_core.cli.{name}")
         module.add_parser(sub)
@@ -27,12 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    prog = f"poot {args.command}"
     try:
         return int(args.run(args) or 0)
     except PootError as exc:
-        print(f"poot {args.command}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (e.g. `poot generate ... | head`): exit quietly, without a traceback.
@@ -40,7 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        return 130
+        raise
+    except MemoryError:
+        print(f"{prog}: out of memory (a smaller -c needs less)", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug, not the user's doing: one line unless asked for the traceback
+        if getattr(args, "verbose", False) or os.environ.get("POOT_TRACEBACK"):
+            traceback.print_exc()
+        print(f"{prog}: internal error: {type(exc).__name__}: {exc} (POOT_TRACEBACK=1 shows where)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
