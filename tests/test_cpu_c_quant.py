@@ -70,3 +70,26 @@ def test_dequant_and_products_match_gguf(type_name: str, build: str, seed: int) 
         # float32 sums over `cols` terms: a few ulp of the largest partial sums
         bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(ref64).T + 1e-30
         assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("half", [False, True])
+def test_16_bit_products_match_float64(build: str, half: bool) -> None:
+    """poot_gemv16 (F16 and BF16 weights, as GGUF stores them unquantized): the float32 product of the exactly
+    widened weights, for 1 to 4 x rows and a width that leaves a tail after the vector loop."""
+    rows, cols = 37, 1000
+    rng = np.random.default_rng(int(half))
+    wf = rng.standard_normal((rows, cols)).astype(np.float32)
+    if half:
+        w16 = wf.astype(np.float16).view(np.uint16)
+        wide = w16.view(np.float16).astype(np.float64)
+    else:
+        w16 = (wf.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: any bit pattern will do
+        wide = (w16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    for m in range(1, FUSED_MAX_ROWS + 1):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        y = np.full((m, rows), np.nan, np.float32)
+        library(build).poot_gemv16(w16.ctypes.data, cols, rows, cols, x.ctypes.data, m, y.ctypes.data, int(half), 2)
+        expect = x.astype(np.float64) @ wide.T
+        bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(wide).T
+        assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"

@@ -110,7 +110,7 @@ def test_dense_types_widen_exactly(type_name: str) -> None:
     torch.testing.assert_close(dequantize(w), expect, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"])
 def test_c_kernel_route_equals_torch_route(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled route carries the decode speed: it must build on this machine and agree with torch's."""
     assert pl.kernels() is not None, "the C kernels did not build: is a C compiler (cc) installed?"

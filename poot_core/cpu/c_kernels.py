@@ -152,9 +152,10 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-# The kernels' vector routes are written for these; without them the portable C routes are slower than torch
-# (measured on an AVX2 machine: bf16 GEMV 16x, decode attention 7x), so the library is not used there.
-REQUIRED_FEATURES = frozenset({"avx512f"})
+# Every kernel has a vector route for these (AVX-512 machines have them too); without them the portable C
+# routes are slower than torch (measured on an AVX2 machine: bf16 GEMV 16x, decode attention 7x), so the
+# library is not used there. attend_blocks alone needs AVX-512 and refuses otherwise (torch attends).
+REQUIRED_FEATURES = frozenset({"avx2", "fma", "f16c"})
 
 
 class Loader:

@@ -8,6 +8,14 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = _mm512_reduce_add_ps(acc);
+#elif POOT_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -20,11 +28,15 @@ static inline void axpy_f32(float *o, float w, const float *v, int64_t n) {
     const __m512 wv = _mm512_set1_ps(w);
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#elif POOT_AVX2
+    const __m256 wv = _mm256_set1_ps(w);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
 #endif
     for (; i < n; i++) o[i] += w * v[i];
 }
 
-/* s[i] = exp(s[i] - top) for i < n, returning the sum (exp16 of the prelude; expf for the tail). */
+/* s[i] = exp(s[i] - top) for i < n, returning the sum (exp16 or exp8 of common.h; expf for the tail). */
 static inline float exp_shifted(float *s, int64_t n, float top) {
     int64_t i = 0;
     float total = 0.0f;
@@ -37,6 +49,15 @@ static inline float exp_shifted(float *s, int64_t n, float top) {
         sum = _mm512_add_ps(sum, e);
     }
     total = _mm512_reduce_add_ps(sum);
+#elif POOT_AVX2
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), t));
+        _mm256_storeu_ps(s + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    total = hsum8(sum);
 #endif
     for (; i < n; i++) {
         s[i] = expf(s[i] - top);

@@ -28,7 +28,9 @@ static void k_block(int type, const uint8_t *b, float *v) {
             int e = 32 * j + l;
             int q = (j & 1) ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 15;
             if (type == 4) q |= ((qh[l] >> j) & 1) << 4;
-            v[e] = dl * (float)q - ml;
+            float p = dl * (float)q;
+            POOT_ROUNDED(p); /* rounded before the minimum is taken off, as ggml does */
+            v[e] = p - ml;
         }
     }
 }
@@ -115,8 +117,116 @@ static float row_dot_q6k(const uint8_t *row, int64_t nb, const float *x) {
 }
 #endif
 
+/* Machines without AVX-512: 256-bit routes for up to 4 x rows. */
+#if POOT_AVX2 && !defined(__AVX512F__)
+/* The 32 codes of sub-block j of a Q4_K / Q5_K super-block as int8 lanes (0..15; 0..31 with Q5_K's fifth bit,
+   bit j of qh[l]). */
+static inline __attribute__((always_inline)) __m256i q45k_codes(const int type, const uint8_t *blk, int j) {
+    __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (type == 3 ? 16 : 48) + 32 * (j / 2)));
+    if (j & 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(15));
+    if (type == 4) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4));
+    }
+    return q;
+}
+
+/* The 32 codes of elements 128 h + 32 g .. + 31 of a Q6_K super-block: (4 low | 2 high bits) - 32. */
+static inline __m256i q6k_codes(const uint8_t *blk, int h, int g) {
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (g & 1)));
+    if (g >= 2) lo = _mm256_srli_epi16(lo, 4);
+    lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+/* 32 int8 codes as four vectors of 8 floats. */
+static inline void widen_k(__m256i c, __m256 *f) {
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* One weight row times m x rows (type and m constants in each instantiation): each 32-value sub-block is
+   decoded once; Q4_K / Q5_K add d * sc * (q . x) and take dmin * mn * sum(x) off, Q6_K adds d * sc * (q . x)
+   per 16 values. xsum32: sum(x) per 32 values, [m, nb * 8]. */
+static inline __attribute__((always_inline)) void rowsk256(const int type, const int m, const uint8_t *row,
+                                                           int64_t nb, const float *x, const float *xsum32,
+                                                           float *y, int64_t n) {
+    const int64_t k = nb * 256;
+    __m256 acc[4][2];
+    float macc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < m; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * k_size(type);
+        if (type == 5) {
+            const float d = f16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++) {
+                    __m256 f[4];
+                    widen_k(q6k_codes(blk, h, g), f);
+                    const __m256 s0 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * g]);
+                    const __m256 s1 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * g + 1]);
+                    for (int r = 0; r < m; r++) {
+                        const float *xb = x + r * k + b * 256 + 128 * h + 32 * g;
+                        const __m256 p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8),
+                                                         _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                        const __m256 q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24),
+                                                         _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                        acc[r][0] = _mm256_fmadd_ps(s0, p, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(s1, q, acc[r][1]);
+                    }
+                }
+        } else {
+            const float d = f16(blk), dmin = f16(blk + 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                k_scale_min(blk + 4, j, &sc, &mn);
+                __m256 f[4];
+                widen_k(q45k_codes(type, blk, j), f);
+                const __m256 dl = _mm256_set1_ps(d * (float)sc);
+                const float ml = dmin * (float)mn;
+                for (int r = 0; r < m; r++) {
+                    const float *xb = x + r * k + b * 256 + 32 * j;
+                    const __m256 p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8),
+                                                     _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                    const __m256 q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24),
+                                                     _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                    acc[r][j & 1] = _mm256_fmadd_ps(dl, _mm256_add_ps(p, q), acc[r][j & 1]);
+                    macc[r] += ml * xsum32[r * nb * 8 + b * 8 + j];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < m; r++) y[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - macc[r];
+}
+
+#define POOT_ROWSK(T)                                                                    \
+    case T:                                                                              \
+        switch (m) {                                                                     \
+        case 1: rowsk256(T, 1, row, nb, x, xsum32, y, n); return;                        \
+        case 2: rowsk256(T, 2, row, nb, x, xsum32, y, n); return;                        \
+        case 3: rowsk256(T, 3, row, nb, x, xsum32, y, n); return;                        \
+        default: rowsk256(T, 4, row, nb, x, xsum32, y, n); return;                       \
+        }
+
+static void rows_dotk(int type, int m, const uint8_t *row, int64_t nb, const float *x, const float *xsum32,
+                      float *y, int64_t n) {
+    switch (type) {
+    POOT_ROWSK(3)
+    POOT_ROWSK(4)
+    POOT_ROWSK(5)
+    }
+}
+#endif
+
 /* y[m, n] = x[m, nb * 256] @ W^T for the K-quant types: each block is decoded to floats in L1, then dotted
-   (one x takes the vector routes above). */
+   (with AVX-512 one x, with AVX2 up to 4 take the vector routes above). */
 void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
                  float *y, int threads) {
 #ifdef __AVX512F__
@@ -135,6 +245,22 @@ void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             }
             #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t o = 0; o < n; o++) y[o] = row_dot_q45k(type, w + o * row_bytes, nb, x, xsum32);
+            free(xsum32);
+            return;
+        }
+    }
+#endif
+#if POOT_AVX2 && !defined(__AVX512F__)
+    if (m <= 4) {
+        float *xsum32 = malloc(sizeof(float) * (size_t)(m * nb * 8 + 1));
+        if (xsum32) {
+            for (int64_t i = 0; i < m * nb * 8; i++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[32 * i + j];
+                xsum32[i] = s;
+            }
+            #pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t o = 0; o < n; o++) rows_dotk(type, (int)m, w + o * row_bytes, nb, x, xsum32, y + o, n);
             free(xsum32);
             return;
         }

@@ -54,6 +54,13 @@ static void silu_mul_row(const float *g, const float *u, int64_t n, float *o) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
     }
+#elif POOT_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
 #endif
     for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
