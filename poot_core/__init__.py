@@ -1,7 +1,7 @@
 """poot: load LLM checkpoints and run them on the device the machine has.
 
 Everything a user or a plugin author needs is importable from here; plugins use nothing else of
-poot_core but this module and poot_core.errors.
+poot_core but this module, poot_core.errors and poot_core.graph (the traced step and its shared passes).
 """
 
 from poot_core.checkpoint.handle import LoadOptions, ModelHandle, WeightStore
@@ -42,7 +42,7 @@ from poot_core.executor import (
     require_ops,
 )
 from poot_core.family import Family, ModelConfig
-from poot_core.graph import Graph, Node, StateSpec, StepShape, Tracer, Value
+from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
 from poot_core.moe import Expert, choose_experts, expert_view, experts_of
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
@@ -59,5 +59,5 @@ __all__ = [
     "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
     "open_executor",
     "check_positions", "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
-    "CrossEncoder", "SentenceEncoder", "MissingTensor",
+    "CrossEncoder", "SentenceEncoder", "MissingTensor", "Ref", "StateRef", "ValueRef", "WeightRef",
 ]

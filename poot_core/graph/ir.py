@@ -1,0 +1,110 @@
+"""The traced step's data: typed references, values, nodes and the graph that holds them.
+
+A node reads references: a stored weight (`WeightRef`), a buffer that lives across steps such as a layer's KV
+cache (`StateRef`), or a value of the step, computed by an earlier node or given as a step input
+(`ValueRef`). An absent optional input (a bias a checkpoint does not have) is None. Executors dispatch on the
+reference's type instead of parsing its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """What a node reads, by name. Two references are equal only when their kinds and names are."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class WeightRef(Ref):
+    """A stored weight, by the name the checkpoint's store gives it (graph.weights[name] is its shape)."""
+
+    __slots__ = ()
+
+
+class StateRef(Ref):
+    """A buffer that lives across steps, a layer's KV cache (graph.state[name] is its spec)."""
+
+    __slots__ = ()
+
+
+class ValueRef(Ref):
+    """A value of the step: a node's output, or a step input (graph.inputs[name])."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """rows: sequences per step; tokens: new tokens per row; capacity: KV positions per row.
+    all_logits: logits for every new token (exactness tests, perplexity) or only the last one.
+    hidden: return the final hidden state instead of logits (embeddings)."""
+
+    rows: int
+    tokens: int
+    capacity: int
+    all_logits: bool = False
+    hidden: bool = False
+
+
+@dataclass(frozen=True)
+class Value:
+    """What the tracer hands a family: a reference with its shape."""
+
+    ref: Ref
+    shape: tuple[int, ...]
+    dtype: str = "f32"  # activation dtype as the graph sees it; executors choose storage
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+
+@dataclass(frozen=True)
+class Node:
+    """One op: its inputs (None where an optional one is absent), the name of the value it computes and that
+    value's shape. A plain string among the inputs names a value (hand-built nodes in tests)."""
+
+    op: str
+    inputs: tuple[Ref | None, ...]
+    output: str
+    shape: tuple[int, ...]
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if any(isinstance(r, str) for r in self.inputs):
+            refs = tuple((ValueRef(r) if r else None) if isinstance(r, str) else r for r in self.inputs)
+            object.__setattr__(self, "inputs", refs)
+
+    def input(self, i: int) -> Ref | None:
+        """Input i, or None when it is absent or the node has fewer inputs."""
+        return self.inputs[i] if i < len(self.inputs) else None
+
+
+@dataclass
+class StateSpec:
+    """A per-layer buffer that lives across steps (the KV cache). `shape` is per row set, e.g.
+    [rows, kv_heads, capacity, head_dim]; `kind` names the content ("k", "v", "latent", ...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+@dataclass
+class Graph:
+    shape: StepShape
+    nodes: list[Node] = field(default_factory=list)
+    inputs: dict[str, Value] = field(default_factory=dict)
+    weights: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    state: dict[str, StateSpec] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+
+    def ops(self) -> set[str]:
+        return {n.op for n in self.nodes}

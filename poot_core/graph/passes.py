@@ -1,0 +1,147 @@
+"""What every executor needs to know about a graph, computed once here instead of in each backend.
+
+- `OPS`: the op vocabulary, the one list of ops a graph may hold, with their inputs and attributes.
+- `handled_ops` / `Dispatch`: a backend writes one `op_<name>` method per op it runs; the table of them is
+  built from the vocabulary, so its capabilities are exactly its handlers and a graph op without a handler
+  is refused by name (`Unsupported(Operation)`) when the graph is prepared.
+- `last_use` / `dead_after`: liveness of the step's values, for freeing or reusing their memory.
+- `add_norm_pairs`: a residual add whose sum the next node RMS-normalizes (one kernel can do both).
+- `shared_input_linears`: linears that read the same value (q/k/v, gate/up), which one product over their
+  joined weights can compute.
+
+A new op is one `OPS` entry plus one `op_<name>` handler per backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Generic, TypeVar
+
+from poot_core.errors import Reason, Unsupported
+from poot_core.graph.ir import Graph, Node, Ref, ValueRef, WeightRef
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the vocabulary. inputs: their roles in order, "?" marks an optional one (None when absent),
+    "*" a run of them to the end; w/table/router/... are stored weights, k_cache/v_cache/cache state."""
+
+    inputs: tuple[str, ...]
+    attrs: tuple[str, ...]
+    result: str
+
+
+OPS: dict[str, OpSpec] = {
+    "embed": OpSpec(("table", "tokens"), ("scale",), "[R, T, D]"),
+    "rms_norm": OpSpec(("x", "w"), ("eps", "offset"), "x's shape: (offset + w) * x_hat"),
+    "layer_norm": OpSpec(("x", "w", "b?"), ("eps",), "x's shape"),
+    "linear": OpSpec(("x", "w", "b?"), (), "[.., N]; w dense or packed, any stored layout"),
+    "reshape": OpSpec(("x",), (), "the node's shape"),
+    "rope": OpSpec(("x", "positions"), ("theta", "dim", "style", "scaling"), "x's shape"),
+    # k, v of the new tokens are written into the layer's KV state, then q attends over it
+    "attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache"),
+                        ("layer", "scale", "window", "softcap"), "[R, T, Hq, Dh]"),
+    "encoder_attention": OpSpec(("q", "k", "v", "mask"), ("scale",), "[R, T, Hq, Dh]; bidirectional, mask [R, T]"),
+    "gated": OpSpec(("gate", "up"), ("act",), "gate's shape: act(gate) * up"),
+    "activation": OpSpec(("x",), ("act",), "x's shape"),
+    "add": OpSpec(("a", "b"), (), "a's shape"),
+    "mul": OpSpec(("a", "b"), (), "a's shape"),
+    "scale": OpSpec(("x",), ("factor",), "x's shape"),
+    "last_position": OpSpec(("x",), (), "[R, 1, D]: the hidden state logits need"),
+    "logits": OpSpec(("x", "w"), ("softcap",), "[R, T', V] float32"),
+    "moe": OpSpec(("x", "router", "bias?", "shared?", "shared_gate?", "experts*"),
+                  ("experts", "stacked", "top_k", "scoring", "norm_topk", "routed_scale", "groups", "topk_groups",
+                   "group_score", "act"), "x's shape; see Tracer.moe"),
+    "mla_attention": OpSpec(("q", "kv", "positions", "kv_norm", "kv_b", "cache"),
+                            ("layer", "scale", "nope_dim", "rope_dim", "v_dim", "eps", "theta", "style", "scaling"),
+                            "[R, T, H, v_dim]; see Tracer.mla_attention"),
+}
+
+HANDLER = "op_"  # a backend's handler of op X is its method op_X
+
+H = TypeVar("H")
+
+
+@cache
+def handled_ops(cls: type) -> frozenset[str]:
+    """The ops of the vocabulary `cls` has a handler for. A handler named after an op outside the vocabulary is
+    a mistake (a typo, or an op added to one backend only), refused as soon as the class is asked."""
+    stray = sorted(n[len(HANDLER):] for n in dir(cls) if n.startswith(HANDLER) and n[len(HANDLER):] not in OPS)
+    if stray:
+        raise TypeError(f"{cls.__qualname__} has handlers for ops outside the vocabulary: {', '.join(stray)}")
+    return frozenset(op for op in OPS if callable(getattr(cls, HANDLER + op, None)))
+
+
+class Dispatch(Generic[H]):
+    """op name -> the owner's handler (`owner.op_<name>(node)`), for the ops of the vocabulary it handles."""
+
+    def __init__(self, owner: Any, backend: str) -> None:
+        self.backend = backend
+        self.table: dict[str, Callable[[Node], H]] = {op: getattr(owner, HANDLER + op)
+                                                      for op in handled_ops(type(owner))}
+
+    def __call__(self, node: Node) -> H:
+        handler = self.table.get(node.op)
+        if handler is None:
+            raise Unsupported(Reason.OPERATION, node.op, f"the {self.backend} backend has no kernel for it")
+        return handler(node)
+
+
+Reads = Sequence[Sequence[Ref | None]]
+
+
+def last_use(graph: Graph, reads: Reads | None = None) -> dict[str, int]:
+    """For each value (computed or a step input) the index of the last node that reads it; the graph's outputs
+    are read after the last node (index len(nodes)). `reads[i]`: what node i reads where a fusion changed it
+    (default: its inputs)."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for ref in node.inputs if reads is None else reads[index]:
+            if isinstance(ref, ValueRef):
+                last[ref.name] = index
+    for name in graph.outputs:
+        last[name] = len(graph.nodes)
+    return last
+
+
+def dead_after(graph: Graph, reads: Reads | None = None) -> list[list[str]]:
+    """For each node, the computed values that no later node and no output reads: once it has run, their
+    memory may be freed. Step inputs are never listed."""
+    dead: list[list[str]] = [[] for _ in graph.nodes]
+    for name, index in last_use(graph, reads).items():
+        if index < len(graph.nodes) and name not in graph.inputs:
+            dead[index].append(name)
+    return dead
+
+
+def add_norm_pairs(nodes: Sequence[Node]) -> list[int]:
+    """Indices i where node i adds two values of the step and node i + 1 RMS-normalizes that sum (a
+    transformer block has two): one kernel can compute both, keeping the sum for its other readers."""
+    return [i for i, (add, norm) in enumerate(zip(nodes, nodes[1:], strict=False))
+            if add.op == "add" and norm.op == "rms_norm" and norm.input(0) == ValueRef(add.output)
+            and all(isinstance(r, ValueRef) for r in add.inputs)]
+
+
+def linear_weight(node: Node) -> str | None:
+    """The stored weight's name of a linear node without a bias; None for any other node."""
+    w = node.input(1)
+    if node.op != "linear" or not isinstance(w, WeightRef) or node.input(2) is not None:
+        return None
+    return w.name
+
+
+def shared_input_linears(nodes: Sequence[Node]) -> list[list[int]]:
+    """Groups (two or more, in program order) of bias-free linears with stored weights that read the same
+    value: q/k/v, gate/up. One product over their joined weights, run where the first one stands, computes
+    them all; a backend keeps the groups (or runs within them) whose weights it can join."""
+    by_input: dict[Ref | None, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if linear_weight(node) is not None:
+            by_input.setdefault(node.inputs[0], []).append(i)
+    return [group for group in by_input.values() if len(group) > 1]
+
+
+__all__ = ["HANDLER", "OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after", "handled_ops", "last_use",
+           "linear_weight", "shared_input_linears"]

@@ -1,0 +1,167 @@
+"""The tracer: a family writes its forward once against these methods; each call records one node.
+
+The ops and their inputs are listed once, in `passes.OPS`; a method here is the family-facing spelling of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poot_core.graph.ir import Graph, Node, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
+
+
+class Tracer:
+    """Records ops into a Graph. Families call these methods with Values and get Values back."""
+
+    def __init__(self, shape: StepShape, weight_shapes: dict[str, tuple[int, ...]]) -> None:
+        self.graph = Graph(shape)
+        self._weight_shapes = weight_shapes
+        self._count = 0
+
+    # --- leaves ---------------------------------------------------------------------------------------
+    def input(self, name: str, shape: tuple[int, ...], dtype: str = "i64") -> Value:
+        value = Value(ValueRef(name), shape, dtype)
+        self.graph.inputs[name] = value
+        return value
+
+    def weight(self, name: str) -> Value:
+        """A stored weight by the name the family reads. Unknown names fail at trace time."""
+        shape = self._weight_shapes.get(name)
+        if shape is None:
+            raise KeyError(name)
+        self.graph.weights[name] = shape
+        return Value(WeightRef(name), shape, "weight")
+
+    def has_weight(self, name: str) -> bool:
+        return name in self._weight_shapes
+
+    def optional_weight(self, name: str) -> Value | None:
+        """The weight when the checkpoint has it (a bias, an optional norm), else None."""
+        return self.weight(name) if self.has_weight(name) else None
+
+    def state(self, name: str, shape: tuple[int, ...], kind: str) -> Value:
+        self.graph.state[name] = StateSpec(name, shape, kind)
+        return Value(StateRef(name), shape, "state")
+
+    def output(self, value: Value) -> None:
+        self.graph.outputs.append(value.name)
+
+    # --- ops ------------------------------------------------------------------------------------------
+    def op(self, op: str, inputs: tuple[Value | None, ...], shape: tuple[int, ...], **attrs: Any) -> Value:
+        """Record one node. `None` inputs (an absent bias) stay None."""
+        self._count += 1
+        out = f"{op}{self._count}"
+        refs = tuple(None if v is None else v.ref for v in inputs)
+        self.graph.nodes.append(Node(op, refs, out, shape, dict(attrs)))
+        return Value(ValueRef(out), shape)
+
+    def embed(self, table: Value, tokens: Value, scale: float | None = None) -> Value:
+        return self.op("embed", (table, tokens), (*tokens.shape, table.shape[-1]), scale=scale)
+
+    def rms_norm(self, x: Value, w: Value, eps: float, offset: float = 0.0) -> Value:
+        return self.op("rms_norm", (x, w), x.shape, eps=eps, offset=offset)
+
+    def layer_norm(self, x: Value, w: Value, b: Value | None, eps: float) -> Value:
+        return self.op("layer_norm", (x, w, b), x.shape, eps=eps)
+
+    def linear(self, x: Value, w: Value, b: Value | None = None) -> Value:
+        return self.op("linear", (x, w, b), (*x.shape[:-1], w.shape[0]))
+
+    def reshape(self, x: Value, shape: tuple[int, ...]) -> Value:
+        return self.op("reshape", (x,), shape)
+
+    def rope(self, x: Value, positions: Value, *, theta: float, dim: int, style: str = "neox",
+             scaling: dict[str, Any] | None = None) -> Value:
+        """x [R, T, H, Dh]; rotates the first `dim` features of each head. style: "neox" (rotate half,
+        Hugging Face layout) or "interleaved" (pairs (0,1), (2,3): llama.cpp's layout of permuted q/k)."""
+        return self.op("rope", (x, positions), x.shape, theta=theta, dim=dim, style=style,
+                       scaling=dict(scaling or {}))
+
+    def attention(self, q: Value, k: Value, v: Value, positions: Value, *, layer: int, capacity: int,
+                  scale: float, window: int | None = None, softcap: float | None = None) -> Value:
+        """Causal attention through the layer's KV state: k, v [R, T, Hkv, Dh] of the new tokens are
+        written at `positions`, then every query attends to the positions up to its own
+        (and within `window` of it, when set)."""
+        rows, _, kv_heads, head_dim = k.shape
+        kc = self.state(f"k{layer}", (rows, kv_heads, capacity, head_dim), "k")
+        vc = self.state(f"v{layer}", (rows, kv_heads, capacity, v.shape[-1]), "v")
+        shape = (*q.shape[:3], v.shape[-1])
+        return self.op("attention", (q, k, v, positions, kc, vc), shape, layer=layer, scale=scale,
+                       window=window, softcap=softcap)
+
+    def encoder_attention(self, q: Value, k: Value, v: Value, mask: Value, *, scale: float) -> Value:
+        return self.op("encoder_attention", (q, k, v, mask), (*q.shape[:3], v.shape[-1]), scale=scale)
+
+    def gated(self, gate: Value, up: Value, act: str = "silu") -> Value:
+        return self.op("gated", (gate, up), gate.shape, act=act)
+
+    def activation(self, x: Value, act: str) -> Value:
+        return self.op("activation", (x,), x.shape, act=act)
+
+    def add(self, a: Value, b: Value) -> Value:
+        return self.op("add", (a, b), a.shape)
+
+    def mul(self, a: Value, b: Value) -> Value:
+        return self.op("mul", (a, b), a.shape)
+
+    def scale(self, x: Value, factor: float) -> Value:
+        return self.op("scale", (x,), x.shape, factor=factor)
+
+    def last_position(self, x: Value) -> Value:
+        return self.op("last_position", (x,), (x.shape[0], 1, x.shape[-1]))
+
+    def logits(self, x: Value, w: Value, softcap: float | None = None) -> Value:
+        return self.op("logits", (x, w), (*x.shape[:-1], w.shape[0]), softcap=softcap)
+
+    def finish(self, x: Value, head: Value, softcap: float | None = None) -> None:
+        """The common end of a decoder step: the final hidden state itself (embedding steps), or logits
+        for the last position of each row (decode, prefill) or for every position (all_logits)."""
+        shape = self.graph.shape
+        if shape.hidden:
+            self.output(x)
+            return
+        if not shape.all_logits:
+            x = self.last_position(x)
+        self.output(self.logits(x, head, softcap))
+
+    # --- mixture of experts and latent attention (poot-family-moe) ----------------------------------------
+    def moe(self, x: Value, router: Value, experts: tuple[Value, Value, Value] | list[tuple[Value, Value, Value]],
+            *, top_k: int, scoring: str = "softmax", norm_topk: bool = True, routed_scale: float = 1.0,
+            groups: int = 1, topk_groups: int = 1, group_score: str = "max", bias: Value | None = None,
+            shared: Value | None = None, shared_gate: Value | None = None, act: str = "silu") -> Value:
+        """Route each token of x [R, T, D] to `top_k` experts and sum their gated MLPs, weighted.
+
+        router [E, D]: scores = softmax or sigmoid of x @ router^T (float32). `bias` [E] is added for the
+        choice only (DeepSeek V3's correction bias); with groups > 1 the experts are split into `groups`
+        groups, each scored by its best expert ("max") or the sum of its two best ("top2"), and only the
+        `topk_groups` best groups are eligible. Chosen weights are renormalized when `norm_topk`, then
+        multiplied by `routed_scale`.
+        experts: stacked (gate [E, F, D], up [E, F, D], down [E, D, F]) as GGUF stores them, or a list of
+        (gate [F, D], up [F, D], down [D, F]) per expert as Hugging Face stores them; either may be packed.
+        shared: an already computed shared-expert output [R, T, D] added to the result, scaled by
+        sigmoid(x @ shared_gate^T) when shared_gate [1, D] is given (Qwen2-MoE)."""
+        stacked = isinstance(experts, tuple)
+        weights = list(experts) if stacked else [w for triple in experts for w in triple]
+        count = experts[0].shape[0] if stacked else len(experts)
+        return self.op("moe", (x, router, bias, shared, shared_gate, *weights), x.shape, experts=count,
+                       stacked=stacked, top_k=top_k, scoring=scoring, norm_topk=norm_topk,
+                       routed_scale=routed_scale, groups=groups, topk_groups=topk_groups,
+                       group_score=group_score, act=act)
+
+    def mla_attention(self, q: Value, kv: Value, positions: Value, kv_norm: Value, kv_b: Value, *, layer: int,
+                      capacity: int, scale: float, nope_dim: int, rope_dim: int, v_dim: int, eps: float,
+                      theta: float, style: str = "interleaved",
+                      scaling: dict[str, Any] | None = None) -> Value:
+        """Multi-head latent attention (DeepSeek V2/V3), causal, through the layer's compressed KV state.
+
+        q [R, T, H, nope_dim + rope_dim] (before rope); kv [R, T, L + rope_dim]: the kv_a projection, whose
+        first L features are the latent (RMS-normed here with kv_norm [L]) and the rest the rope key shared by
+        all heads (rotated here). The state keeps latent and rotated key, [R, 1, C, L + rope_dim]: that is
+        all the cache holds per token. kv_b [H * (nope_dim + v_dim), L] expands the latent to each head's
+        key (no rope part) and value. Output [R, T, H, v_dim]."""
+        rows, tokens, heads, _ = q.shape
+        width = kv.shape[-1]
+        cache = self.state(f"latent{layer}", (rows, 1, capacity, width), "latent")
+        return self.op("mla_attention", (q, kv, positions, kv_norm, kv_b, cache), (rows, tokens, heads, v_dim),
+                       layer=layer, scale=scale, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim, eps=eps,
+                       theta=theta, style=style, scaling=dict(scaling or {}))
