@@ -1,7 +1,8 @@
 """The embedded default executor: torch on the CPU.
 
 Weights are used where they lie (memory-mapped, dtype as stored). A prepared program is the graph's node
-list with each node bound to a small function once, so a step is a plain loop with no lookups by op name.
+list with each node bound once to a small function (by its op's handler, `_Binder.op_<name>`), so a step is a
+plain loop with no lookups by op name.
 """
 
 from __future__ import annotations
@@ -19,53 +20,52 @@ from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.cpu.packed_linear import few_rows_product
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, check_positions, require_ops
-from poot_core.graph import Graph, Node
+from poot_core.graph import Graph, Node, Ref, StateRef, ValueRef, WeightRef, passes
 
-CPU_OPS = frozenset({
-    "embed", "rms_norm", "layer_norm", "linear", "reshape", "rope", "attention", "encoder_attention",
-    "gated", "activation", "add", "mul", "scale", "last_position", "logits", "moe", "mla_attention",
-})
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
 
 Env = dict[str, Any]
 StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
 
+
+def _computed_by_another(out: str) -> StepFn:
+    """The step of a node whose value an earlier, fused step has left in the environment already."""
+    return lambda e, s: e[out]
+
+
+def _folded(_e: Env, _s: dict[str, torch.Tensor]) -> None:
+    """The step of a node whose work a later step does inside its own (a rope inside the attention call)."""
+    return None
+
+
 class CpuProgram:
     def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
         self.graph = graph
         bound: dict[int, StepFn] = {}
+        # linears over back-to-back weights that read one input: one product, at the first one's place
         for group in fusion.adjacent_groups(graph.nodes, weights):
             runner = graph.nodes[min(group)]
-            source = graph.nodes[group[0]].inputs[0]
+            source = graph.nodes[group[0]].inputs[0].name
             bound[min(group)] = fusion.bind_group([graph.nodes[i] for i in group], runner, weights,
                                                   lambda e, s, name=source: e[name])
             for i in group:
-                if i != min(group):  # computed by the group's runner already
-                    bound[i] = lambda e, s, out=graph.nodes[i].output: e[out]
-        for i, node in enumerate(graph.nodes[:-1]):
-            after = graph.nodes[i + 1]
-            if i not in bound and i + 1 not in bound and _add_then_norm(node, after):
-                bound[i] = _bind_add_norm(node, after, weights)
-                bound[i + 1] = lambda e, s, out=after.output: e[out]  # computed by the add already
-        reads = {i: node.inputs for i, node in enumerate(graph.nodes)}  # what each step reads, after fusions
+                if i != min(group):
+                    bound[i] = _computed_by_another(graph.nodes[i].output)
+        for i in passes.add_norm_pairs(graph.nodes):
+            bound[i] = _bind_add_norm(graph.nodes[i], graph.nodes[i + 1], weights)
+            bound[i + 1] = _computed_by_another(graph.nodes[i + 1].output)
+        reads: list[tuple[Ref | None, ...]] = [node.inputs for node in graph.nodes]  # what each step reads
         for i, q_rope, k_rope in _roped_attention(graph):
             if not {i, q_rope, k_rope} & bound.keys():
                 att, qn, kn = graph.nodes[i], graph.nodes[q_rope], graph.nodes[k_rope]
                 bound[i] = _bind_rope_attention(att, qn, kn)
-                bound[q_rope] = bound[k_rope] = lambda e, s: None  # rotated inside the attention step
+                bound[q_rope] = bound[k_rope] = _folded  # rotated inside the attention step
                 reads[i] = (qn.inputs[0], kn.inputs[0], *att.inputs[2:])
                 reads[q_rope] = reads[k_rope] = ()
-        self._steps = [(node.output, bound.get(i) or _bind(node, weights)) for i, node in enumerate(graph.nodes)]
+        binder = _Binder(weights)
+        self._steps = [(node.output, bound.get(i) or binder.dispatch(node)) for i, node in enumerate(graph.nodes)]
         # After each step, the values no later step reads: dropping them lets torch reuse their memory.
-        last_read: dict[str, int] = {}
-        for i in range(len(graph.nodes)):
-            for name in reads[i]:
-                last_read[name] = i
-        keep = set(graph.outputs)
-        self._dead: list[list[str]] = [[] for _ in graph.nodes]
-        for name, i in last_read.items():
-            if name not in keep and not name.startswith(("w:", "s:")) and name not in graph.inputs:
-                self._dead[i].append(name)
+        self._dead = passes.dead_after(graph, reads)
 
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
         check_positions(self.graph, inputs)  # the C kernels index the KV cache by position, unchecked
@@ -82,20 +82,20 @@ def _roped_attention(graph: Graph) -> list[tuple[int, int, int]]:
     """(attention, q rope, k rope) node indices where attention reads two ropes of the same step positions that
     nothing else reads: rotating q and k, writing the cache and attending can then be one C call at decode."""
     made = {node.output: i for i, node in enumerate(graph.nodes)}
-    readers: dict[str, int] = {}
+    readers: dict[Ref | None, int] = {}
     for node in graph.nodes:
-        for name in node.inputs:
-            readers[name] = readers.get(name, 0) + 1
+        for ref in node.inputs:
+            readers[ref] = readers.get(ref, 0) + 1
     found = []
     for i, node in enumerate(graph.nodes):
         if node.op != "attention":
             continue
-        q_at, k_at = made.get(node.inputs[0]), made.get(node.inputs[1])
+        q_at, k_at = made.get(node.inputs[0].name), made.get(node.inputs[1].name)
         if q_at is None or k_at is None:
             continue
         qn, kn = graph.nodes[q_at], graph.nodes[k_at]
         if (qn.op == kn.op == "rope" and qn.attrs == kn.attrs and qn.inputs[1] == kn.inputs[1] == node.inputs[3]
-                and readers[qn.output] == readers[kn.output] == 1):
+                and readers[ValueRef(qn.output)] == readers[ValueRef(kn.output)] == 1):
             found.append((i, q_at, k_at))
     return found
 
@@ -106,7 +106,7 @@ class _Rope:
 
     def __init__(self, node: Node) -> None:
         a = node.attrs
-        self.attrs, self.positions, self.style = a, node.inputs[1], a["style"]
+        self.attrs, self.positions, self.style = a, node.inputs[1].name, a["style"]
         self.key = f"rope:{self.positions}:{a['theta']}:{a['dim']}:{sorted(a['scaling'].items())}:{self.style}"
 
     def angles(self, e: Env) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +133,13 @@ def _bind_rope_attention(att: Node, q_rope: Node, k_rope: Node) -> StepFn:
     from poot_core.cpu.c_attention import attend_few
 
     rope = _Rope(q_rope)
-    q_name, k_name, (v_name, pos_name, kc_name, vc_name) = q_rope.inputs[0], k_rope.inputs[0], att.inputs[2:]
+    q_name, k_name = q_rope.inputs[0].name, k_rope.inputs[0].name
+    v_name, pos_name, kc_name, vc_name = (r.name for r in att.inputs[2:])
     a, interleaved = att.attrs, rope.style != "neox"
 
     def rope_attention(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
         qv, kv, vv, pos = e[q_name], e[k_name], e[v_name], e[pos_name]
-        kc, vc = s[kc_name[2:]], s[vc_name[2:]]
+        kc, vc = s[kc_name], s[vc_name]
         done = attend_few(qv, kv, vv, pos, kc, vc, a["scale"], a["window"], a["softcap"],
                           rope=(*rope.angles(e), interleaved))
         if done is not None:
@@ -149,17 +150,11 @@ def _bind_rope_attention(att: Node, q_rope: Node, k_rope: Node) -> StepFn:
     return rope_attention
 
 
-def _add_then_norm(add: Node, norm: Node) -> bool:
-    """A residual add of two computed values whose sum an RMSNorm reads next (each transformer block has two)."""
-    return (add.op == "add" and norm.op == "rms_norm" and norm.inputs[0] == add.output
-            and not any(name.startswith(("w:", "s:")) for name in add.inputs))
-
-
 def _bind_add_norm(add: Node, norm: Node, weights: dict[str, Weight]) -> StepFn:
     """The add's step function, which leaves the norm's output in the environment too (one C call for both at
     decode; torch for prefill)."""
-    x_name, y_name = add.inputs
-    scale = weights[norm.inputs[1][2:]].float() + norm.attrs["offset"]
+    x_name, y_name = (r.name for r in add.inputs)
+    scale = weights[norm.inputs[1].name].float() + norm.attrs["offset"]
     eps, out = norm.attrs["eps"], norm.output
 
     def add_norm(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -174,38 +169,47 @@ def _bind_add_norm(add: Node, norm: Node, weights: dict[str, Weight]) -> StepFn:
     return add_norm
 
 
-def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
-    """One node -> a function of (env, state). Weights are looked up once, here."""
+Arg = Callable[[Env, dict[str, torch.Tensor]], Any]
 
-    def arg(i: int) -> Callable[[Env, dict[str, torch.Tensor]], Any]:
-        name = node.inputs[i] if i < len(node.inputs) else ""
-        if name == "":
+
+class _Binder:
+    """One node -> a function of (env, state), through its op's handler. Weights are looked up once, here."""
+
+    def __init__(self, weights: dict[str, Weight]) -> None:
+        self.weights = weights
+        self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, "cpu")
+
+    def get(self, ref: Ref | None) -> Any:
+        """A stored weight itself; a value's or state's name; None for an absent input."""
+        if isinstance(ref, WeightRef):
+            return self.weights[ref.name]
+        return None if ref is None else ref.name
+
+    def args(self, node: Node) -> list[Arg]:
+        return [self.arg(ref) for ref in node.inputs]
+
+    def arg(self, ref: Ref | None) -> Arg:
+        if ref is None:
             return lambda env, state: None
-        if name.startswith("w:"):
-            w = weights[name[2:]]
+        name = ref.name
+        if isinstance(ref, WeightRef):
+            w = self.weights[name]
             return lambda env, state: w
-        if name.startswith("s:"):
-            key = name[2:]
-            return lambda env, state: state[key]
+        if isinstance(ref, StateRef):
+            return lambda env, state: state[name]
         return lambda env, state: env[name]
 
-    def get(name: str) -> Any:
-        if name.startswith("w:"):
-            return weights[name[2:]]
-        return name
-
-    a = node.attrs
-    args = [arg(i) for i in range(len(node.inputs))]
-    op = node.op
-    if op == "embed":
-        table, tokens = args
-        scale = a.get("scale")
+    def op_embed(self, node: Node) -> StepFn:
+        table, tokens = self.args(node)
+        scale = node.attrs.get("scale")
         if scale is None:
             return lambda e, s: ops.embed(table(e, s), tokens(e, s))
         return lambda e, s: ops.embed(table(e, s), tokens(e, s)) * scale
-    if op == "rms_norm":
-        x, _ = args
-        scale = get(node.inputs[1]).float() + a["offset"]  # a small vector: float32 once, offset applied
+
+    def op_rms_norm(self, node: Node) -> StepFn:
+        a = node.attrs
+        x = self.arg(node.inputs[0])
+        scale = self.get(node.inputs[1]).float() + a["offset"]  # a small vector: float32 once, offset applied
 
         def rms_norm(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
             xv = x(e, s)
@@ -213,17 +217,20 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
             return done[1] if done is not None else ops.rms_norm(xv, scale, a["eps"])
 
         return rms_norm
-    if op == "layer_norm":
-        x, w, b = args
-        return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), a["eps"])
-    if op == "linear":
-        x, w, b = args
-        weight = get(node.inputs[1])
-        bias_is_weight = node.inputs[2] == "" or node.inputs[2].startswith("w:")
+
+    def op_layer_norm(self, node: Node) -> StepFn:
+        x, w, b = self.args(node)
+        eps = node.attrs["eps"]
+        return lambda e, s: ops.layer_norm(x(e, s), w(e, s), b(e, s), eps)
+
+    def op_linear(self, node: Node) -> StepFn:
+        x, w, b = self.args(node)
+        weight, bias_ref = self.get(node.inputs[1]), node.inputs[2]
+        bias_is_weight = bias_ref is None or isinstance(bias_ref, WeightRef)
         if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16) and bias_is_weight:
             # q, k and v (gate and up) read the same input: convert it to the weight's dtype once per step.
             key = f"{node.inputs[0]}:{weight.dtype}"
-            bias = get(node.inputs[2]) if node.inputs[2] else None
+            bias = self.get(bias_ref)
             bias = None if bias is None else bias.float()
 
             def linear16(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -238,7 +245,7 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
                 return y if bias is None else y + bias
 
             return linear16
-        product = few_rows_product(weight) if isinstance(weight, PackedWeight) and node.inputs[2] == "" else None
+        product = few_rows_product(weight) if isinstance(weight, PackedWeight) and bias_ref is None else None
         if product is not None:  # decode: the C kernel with its plan made once
 
             def packed(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -248,23 +255,30 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
 
             return packed
         return lambda e, s: ops.linear(x(e, s), w(e, s), b(e, s))
-    if op == "reshape":
-        (x,) = args
-        return lambda e, s: x(e, s).reshape(node.shape)
-    if op == "rope":
-        x, _ = args
-        rope = _Rope(node)
+
+    def op_reshape(self, node: Node) -> StepFn:
+        x, shape = self.arg(node.inputs[0]), node.shape
+        return lambda e, s: x(e, s).reshape(shape)
+
+    def op_rope(self, node: Node) -> StepFn:
+        x, rope = self.arg(node.inputs[0]), _Rope(node)
         return lambda e, s: rope.rotate(e, x(e, s))
-    if op == "attention":
-        q, k, v, pos, kc, vc = args
+
+    def op_attention(self, node: Node) -> StepFn:
+        q, k, v, pos, kc, vc = self.args(node)
+        a = node.attrs
         return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),
                                           a["scale"], a["window"], a["softcap"])
-    if op == "encoder_attention":
-        q, k, v, mask = args
-        return lambda e, s: ops.encoder_attention(q(e, s), k(e, s), v(e, s), mask(e, s), a["scale"])
-    if op == "gated":
-        g, u = args
-        if a["act"] == "silu":
+
+    def op_encoder_attention(self, node: Node) -> StepFn:
+        q, k, v, mask = self.args(node)
+        scale = node.attrs["scale"]
+        return lambda e, s: ops.encoder_attention(q(e, s), k(e, s), v(e, s), mask(e, s), scale)
+
+    def op_gated(self, node: Node) -> StepFn:
+        g, u = self.args(node)
+        act = node.attrs["act"]
+        if act == "silu":
 
             def silu_gated(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
                 gv, uv = g(e, s), u(e, s)
@@ -274,34 +288,45 @@ def _bind(node: Node, weights: dict[str, Weight]) -> StepFn:
                 return done if done is not None else ops.gated(gv, uv, "silu")
 
             return silu_gated
-        return lambda e, s: ops.gated(g(e, s), u(e, s), a["act"])
-    if op == "activation":
-        (x,) = args
-        return lambda e, s: ops.activation(x(e, s), a["act"])
-    if op == "add":
-        x, y = args
+        return lambda e, s: ops.gated(g(e, s), u(e, s), act)
+
+    def op_activation(self, node: Node) -> StepFn:
+        x, act = self.arg(node.inputs[0]), node.attrs["act"]
+        return lambda e, s: ops.activation(x(e, s), act)
+
+    def op_add(self, node: Node) -> StepFn:
+        x, y = self.args(node)
         return lambda e, s: x(e, s) + _dense(y(e, s))
-    if op == "mul":
-        x, y = args
+
+    def op_mul(self, node: Node) -> StepFn:
+        x, y = self.args(node)
         return lambda e, s: x(e, s) * _dense(y(e, s))
-    if op == "scale":
-        (x,) = args
-        return lambda e, s: x(e, s) * a["factor"]
-    if op == "last_position":
-        (x,) = args
+
+    def op_scale(self, node: Node) -> StepFn:
+        x, factor = self.arg(node.inputs[0]), node.attrs["factor"]
+        return lambda e, s: x(e, s) * factor
+
+    def op_last_position(self, node: Node) -> StepFn:
+        x = self.arg(node.inputs[0])
         return lambda e, s: x(e, s)[:, -1:, :]
-    if op == "logits":
-        x, w = args
-        return lambda e, s: ops.logits(x(e, s), w(e, s), a["softcap"])
-    if op == "moe":
+
+    def op_logits(self, node: Node) -> StepFn:
+        x, w = self.args(node)
+        softcap = node.attrs["softcap"]
+        return lambda e, s: ops.logits(x(e, s), w(e, s), softcap)
+
+    def op_moe(self, node: Node) -> StepFn:
         from poot_core.cpu import moe
 
-        return moe.bind(node, args, get)
-    if op == "mla_attention":
+        return moe.bind(node, self.args(node), self.get)
+
+    def op_mla_attention(self, node: Node) -> StepFn:
         from poot_core.cpu import mla
 
-        return mla.bind(node, args, get)
-    raise Unsupported(Reason.OPERATION, op, "the cpu backend has no implementation for it")
+        return mla.bind(node, self.args(node), self.get)
+
+
+CPU_OPS = passes.handled_ops(_Binder)
 
 
 def _dense(x: Any) -> torch.Tensor:

@@ -19,17 +19,18 @@ from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
 from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.cpu.packed_linear import few_rows_product
-from poot_core.graph import Node
+from poot_core.graph import Node, passes
 
 HALF = (torch.bfloat16, torch.float16)
 
 
 def _memory(node: Node, weights: dict[str, Weight]) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
     """The tensor holding a linear's weight bytes row by row, and what must match to join it with another
-    (kind, row width); None when the node cannot take part."""
-    if node.op != "linear" or not node.inputs[1].startswith("w:") or node.inputs[2] != "":
+    (kind, row width); None when its weight cannot take part."""
+    name = passes.linear_weight(node)
+    if name is None:
         return None
-    w = weights[node.inputs[1][2:]]
+    w = weights[name]
     if isinstance(w, PackedWeight):
         blocks = w.parts.get("blocks")
         if w.layout != "gguf" or blocks is None or blocks.dim() != 2 or not blocks.is_contiguous() or len(w.shape) != 2:
@@ -41,15 +42,13 @@ def _memory(node: Node, weights: dict[str, Weight]) -> tuple[torch.Tensor, tuple
 
 
 def adjacent_groups(nodes: list[Node], weights: dict[str, Weight]) -> list[list[int]]:
-    """Indices of linear nodes (two or more) that share an input and whose weights are contiguous in memory,
-    listed in memory order."""
-    by_input: dict[str, list[tuple[torch.Tensor, tuple[Any, ...], int]]] = {}
-    for i, node in enumerate(nodes):
-        found = _memory(node, weights)
-        if found is not None:
-            by_input.setdefault(node.inputs[0], []).append((*found, i))
+    """Indices of linear nodes (two or more) that share an input (passes.shared_input_linears) and whose
+    weights are contiguous in memory, listed in memory order."""
     groups: list[list[int]] = []
-    for members in by_input.values():
+    for shared in passes.shared_input_linears(nodes):
+        members = [(*found, i) for i in shared if (found := _memory(nodes[i], weights)) is not None]
+        if not members:
+            continue
         members.sort(key=lambda m: m[0].data_ptr())
         run = [members[0]]
         for mem, key, i in members[1:]:
@@ -87,7 +86,7 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
                ) -> Callable[[dict[str, Any], dict[str, torch.Tensor]], torch.Tensor]:
     """The step function of `runner` (the group's first node in program order): one product for the whole
     group; it leaves the other members' outputs in the environment and returns its own."""
-    parts = [weights[n.inputs[1][2:]] for n in nodes]
+    parts = [weights[n.inputs[1].name] for n in nodes]
     joined = _joined_weight(parts)
     sizes = [p.shape[0] for p in parts]
     outputs = [n.output for n in nodes]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
-from poot_core.graph import Node
+from poot_core.graph import Node, Ref
 
 
 def _attend(
@@ -76,7 +76,7 @@ def mla_attention(
     return out
 
 
-def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[str], Any]) -> Callable[..., torch.Tensor]:
+def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[Ref | None], Any]) -> Callable[..., torch.Tensor]:
     """The executor's binding: inputs (q, kv, positions, kv_norm, kv_b, cache)."""
     a = node.attrs
     q, kv, pos, _, _, cache = args

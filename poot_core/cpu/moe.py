@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
 from poot_core.errors import Reason, Unsupported
-from poot_core.graph import Node
+from poot_core.graph import Node, Ref
 from poot_core.moe import Expert, choose_experts, experts_of
 
 
@@ -78,7 +78,7 @@ def moe(
     return out
 
 
-def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[str], Any]) -> Callable[..., torch.Tensor]:
+def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[Ref | None], Any]) -> Callable[..., torch.Tensor]:
     """The executor's binding: inputs (x, router, bias, shared, shared_gate, expert weights...)."""
     a = node.attrs
     if a["scoring"] not in ("softmax", "sigmoid") or a["group_score"] not in ("max", "top2"):
