@@ -25,32 +25,13 @@ from poot_core import (
     require_ops,
     rope_attention_factor,
 )
+from poot_core.graph import handled_ops
 
 from .program import Binder, TritonProgram
 from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
 
-TRITON_OPS = frozenset(
-    {
-        "embed",
-        "rms_norm",
-        "linear",
-        "reshape",
-        "rope",
-        "attention",
-        "gated",
-        "activation",
-        "add",
-        "mul",
-        "scale",
-        "last_position",
-        "logits",
-        "moe",
-        "mla_attention",
-        "encoder_attention",
-        "layer_norm",
-    }
-)
+TRITON_OPS = handled_ops(Binder)  # the vocabulary ops Binder has an op_<name> handler for
 # Kept free beyond weights and KV: activations, graph pools, the allocator's slack.
 HEADROOM = 1 << 30
 

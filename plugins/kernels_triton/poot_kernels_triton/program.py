@@ -3,8 +3,9 @@
 Device-neutral: the same binding serves NVIDIA (CUDA) and AMD (ROCm, where torch calls the GPU "cuda" and
 Triton compiles for HIP). Activations between matmuls are the weights' 16-bit dtype; the residual stream
 (embed output and every add feeding it) is float32, as on the CPU executor. An add followed by an rms_norm
-of its sum runs as one fused kernel. Steps of one token per row are captured once as a CUDA graph (a HIP
-graph on ROCm, through the same torch.cuda API) and replayed.
+of its sum runs as one fused kernel, and linears that read one input through weights the device can join
+run as one product (both found by poot_core.graph.passes). Steps of one token per row are captured once as
+a CUDA graph (a HIP graph on ROCm, through the same torch.cuda API) and replayed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_core import Graph, Node, PackedWeight, Reason, Unsupported, check_positions
+from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
+from poot_core.graph import passes
 
 from . import moe
 from .tuning import Tuning, use_tuning
@@ -54,7 +56,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class Binder:
-    """Turns graph nodes into step functions over one DeviceWeights."""
+    """Turns graph nodes into step functions over one DeviceWeights: node X through `op_X` (the dispatch table
+    of poot_core.graph.passes), with the shared fusions first."""
 
     def __init__(
         self, graph: Graph, weights: DeviceWeights, rope_tables: Callable[..., Any], backend: str = "cuda"
@@ -66,75 +69,43 @@ class Binder:
         self.rope_tables = rope_tables
         # set by a binding that reads device values on the host: such a step cannot be a CUDA graph
         self.host_syncs = False
-        self.users: dict[str, int] = {}
-        for node in graph.nodes:
-            for name in node.inputs:
-                self.users[name] = self.users.get(name, 0) + 1
-        for name in graph.outputs:
-            self.users[name] = self.users.get(name, 0) + 1
+        self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, backend)
 
-    def weight(self, name: str) -> Any:
-        if not name:
+    def weight(self, ref: Ref | None) -> Any:
+        if ref is None:
             return None
-        if not name.startswith("w:"):
-            raise Unsupported(Reason.OPERATION, name, f"the {self.backend} backend expects a stored weight here")
-        return self.w.tensors[name[2:]]
+        if not isinstance(ref, WeightRef):
+            raise Unsupported(Reason.OPERATION, ref.name, f"the {self.backend} backend expects a stored weight here")
+        return self.w.tensors[ref.name]
 
     def bind_all(self) -> list[StepFn]:
         nodes = self.graph.nodes
+        fused: dict[int, StepFn | None] = {}  # node index -> its fused step; None: computed by another one
+        for i in passes.add_norm_pairs(nodes):
+            fused[i], fused[i + 1] = self.add_rms_norm(nodes[i], nodes[i + 1]), None
+        for group in passes.shared_input_linears(nodes):
+            step = self.fused_linear([nodes[i] for i in group])
+            if step is not None:  # one product where the first linear stands
+                fused.update(dict.fromkeys(group[1:]))
+                fused[group[0]] = step
         steps: list[StepFn] = []
-        i = 0
-        while i < len(nodes):
-            node = nodes[i]
-            nxt = nodes[i + 1] if i + 1 < len(nodes) else None
-            if node.op == "add" and nxt is not None and nxt.op == "rms_norm" and nxt.inputs[0] == node.output:
-                steps.append(self.add_rms_norm(node, nxt))
-                i += 2
-                continue
-            group, end = self.linear_group(i)
-            if len(group) > 1:
-                fused = self.fused_linear(group, nodes[i:end])
-                if fused is not None:
-                    steps.append(fused)
-                    i = end
-                    continue
-            steps.append(self.bind(node))
-            i += 1
+        for i, node in enumerate(nodes):
+            if i not in fused:
+                steps.append(self.bind(node))
+            elif (step := fused[i]) is not None:
+                steps.append(step)
         return steps
 
     # --- fusions ---------------------------------------------------------------------------------------
-    def linear_group(self, i: int) -> tuple[list[Node], int]:
-        """Consecutive linear nodes (possibly with reshapes of earlier ones between) reading the same input
-        with no bias: q/k/v, gate/up. Returns them and the index of the first node after the run."""
-        nodes = self.graph.nodes
-        first = nodes[i]
-        if first.op != "linear" or first.inputs[2]:
-            return [first], i + 1
-        group = [first]
-        j = i + 1
-        while j < len(nodes):
-            n = nodes[j]
-            if n.op == "reshape" and n.inputs[0] in {g.output for g in group}:
-                j += 1
-                continue
-            if n.op == "linear" and n.inputs[0] == first.inputs[0] and not n.inputs[2]:
-                group.append(n)
-                j += 1
-                continue
-            break
-        while group[-1] is not nodes[j - 1]:  # a trailing reshape belongs to the nodes after the run
-            j -= 1
-        return group, j
-
-    def fused_linear(self, group: list[Node], span: list[Node]) -> StepFn | None:
-        names = tuple(n.inputs[1][2:] for n in group)
-        if not all(n.inputs[1].startswith("w:") for n in group):
-            return None
+    def fused_linear(self, group: list[Node]) -> StepFn | None:
+        """One product over the joined weights of linears that read one input (q/k/v, gate/up); None when the
+        device cannot join them (mixed layouts, GPTQ, different widths)."""
+        names = tuple(str(passes.linear_weight(n)) for n in group)
         joined = self.w.concatenated(names)
         if joined is None:
             return None
         widths = [self.w.tensors[name].shape[0] for name in names]
-        x_name = group[0].inputs[0]
+        x_name = group[0].inputs[0].name
         outs = [(n.output, n.shape) for n in group]
         act = self.act
 
@@ -148,21 +119,10 @@ class Binder:
                 s.env[out] = y[:, start : start + width].reshape(shape)
                 start += width
 
-        # the reshapes between the fused linears still run, after it, in their own steps
-        reshapes = [n for n in span if n.op == "reshape"]
-        later = [self.bind(n) for n in reshapes]
-        if not later:
-            return run
-
-        def run_all(s: Step) -> None:
-            run(s)
-            for fn in later:
-                fn(s)
-
-        return run_all
+        return run
 
     def add_rms_norm(self, add: Node, norm: Node) -> StepFn:
-        a_name, b_name = add.inputs
+        a_name, b_name = (r.name for r in add.inputs)
         w = self.weight(norm.inputs[1])
         eps, offset = float(norm.attrs["eps"]), float(norm.attrs.get("offset", 0.0))
         act = self.act
@@ -179,14 +139,11 @@ class Binder:
 
     # --- single nodes ----------------------------------------------------------------------------------
     def bind(self, node: Node) -> StepFn:
-        handler = getattr(self, f"op_{node.op}", None)
-        if handler is None:
-            raise Unsupported(Reason.OPERATION, node.op, f"the {self.backend} backend has no kernel for it")
-        return handler(node)
+        return self.dispatch(node)
 
     def op_embed(self, node: Node) -> StepFn:
         table = self.weight(node.inputs[0])
-        tok_name, out, shape = node.inputs[1], node.output, node.shape
+        tok_name, out, shape = node.inputs[1].name, node.output, node.shape
         scale = node.attrs.get("scale")
         if isinstance(table, PackedWeight):
             if table.layout != "gguf":
@@ -212,7 +169,7 @@ class Binder:
         return run
 
     def op_rms_norm(self, node: Node) -> StepFn:
-        x_name, out, shape = node.inputs[0], node.output, node.shape
+        x_name, out, shape = node.inputs[0].name, node.output, node.shape
         w = self.weight(node.inputs[1])
         eps, offset, act = float(node.attrs["eps"]), float(node.attrs.get("offset", 0.0)), self.act
 
@@ -223,7 +180,7 @@ class Binder:
         return run
 
     def op_linear(self, node: Node) -> StepFn:
-        x_name, out, shape = node.inputs[0], node.output, node.shape
+        x_name, out, shape = node.inputs[0].name, node.output, node.shape
         w, b = self.weight(node.inputs[1]), self.weight(node.inputs[2])
         act = self.act
 
@@ -236,7 +193,7 @@ class Binder:
         return run
 
     def op_logits(self, node: Node) -> StepFn:
-        x_name, out, shape = node.inputs[0], node.output, node.shape
+        x_name, out, shape = node.inputs[0].name, node.output, node.shape
         w = self.weight(node.inputs[1])
         softcap, act = node.attrs.get("softcap"), self.act
 
@@ -252,7 +209,7 @@ class Binder:
         return run
 
     def op_reshape(self, node: Node) -> StepFn:
-        x_name, out, shape = node.inputs[0], node.output, node.shape
+        x_name, out, shape = node.inputs[0].name, node.output, node.shape
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name].reshape(shape)
@@ -264,7 +221,7 @@ class Binder:
         if a["style"] not in ROPE_STYLES:
             raise Unsupported(Reason.OPERATION, f"rope:{a['style']}", f"rope styles {sorted(ROPE_STYLES)}")
         cos, sin = self.rope_tables(a["theta"], a["dim"], a.get("scaling") or {}, self.graph.shape.capacity)
-        x_name, pos_name, out, shape = node.inputs[0], node.inputs[1], node.output, node.shape
+        x_name, pos_name, out, shape = node.inputs[0].name, node.inputs[1].name, node.output, node.shape
         interleaved = a["style"] == "interleaved"
 
         def run(s: Step) -> None:
@@ -276,8 +233,7 @@ class Binder:
         return run
 
     def op_attention(self, node: Node) -> StepFn:
-        q_name, k_name, v_name, pos_name, kc_name, vc_name = node.inputs
-        kc_key, vc_key = kc_name[2:], vc_name[2:]
+        q_name, k_name, v_name, pos_name, kc_key, vc_key = (r.name for r in node.inputs)
         a = node.attrs
         scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
         rows, tokens = self.graph.shape.rows, self.graph.shape.tokens
@@ -311,7 +267,7 @@ class Binder:
             raise Unsupported(
                 Reason.OPERATION, f"gated:{act}", f"the {self.backend} backend's gated kernel does {sorted(GATED)}"
             )
-        g_name, u_name, out, shape = node.inputs[0], node.inputs[1], node.output, node.shape
+        g_name, u_name, out, shape = node.inputs[0].name, node.inputs[1].name, node.output, node.shape
 
         def run(s: Step) -> None:
             s.env[out] = ktr.gated_activation(_rows(s.env[g_name]), _rows(s.env[u_name]), kind=act).reshape(shape)
@@ -323,7 +279,7 @@ class Binder:
         fn = ACTIVATIONS.get(act)
         if fn is None:
             raise Unsupported(Reason.OPERATION, f"activation:{act}", f"known: {sorted(ACTIVATIONS)}")
-        x_name, out = node.inputs[0], node.output
+        x_name, out = node.inputs[0].name, node.output
 
         def run(s: Step) -> None:
             s.env[out] = fn(s.env[x_name])
@@ -331,8 +287,8 @@ class Binder:
         return run
 
     def _binary(self, node: Node, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> StepFn:
-        a_name, b_name, out = node.inputs[0], node.inputs[1], node.output
-        b_weight = self.weight(b_name) if b_name.startswith("w:") else None
+        a_name, b_ref, out = node.inputs[0].name, node.inputs[1], node.output
+        b_name, b_weight = b_ref.name, self.weight(b_ref) if isinstance(b_ref, WeightRef) else None
         if isinstance(b_weight, PackedWeight):
             raise Unsupported(Reason.QUANTIZATION, f"{b_weight.kind} operand of {node.op}", "dense only")
 
@@ -349,7 +305,7 @@ class Binder:
         return self._binary(node, torch.mul)
 
     def op_scale(self, node: Node) -> StepFn:
-        x_name, out, factor = node.inputs[0], node.output, float(node.attrs["factor"])
+        x_name, out, factor = node.inputs[0].name, node.output, float(node.attrs["factor"])
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name] * factor
@@ -357,7 +313,7 @@ class Binder:
         return run
 
     def op_last_position(self, node: Node) -> StepFn:
-        x_name, out = node.inputs[0], node.output
+        x_name, out = node.inputs[0].name, node.output
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name][:, -1:, :]
@@ -365,13 +321,14 @@ class Binder:
         return run
 
     # --- mixture of experts, latent attention, encoders -------------------------------------------------
-    def _value_or_weight(self, name: str) -> Callable[[Step], Any]:
+    def _value_or_weight(self, ref: Ref | None) -> Callable[[Step], Any]:
         """An optional input that is either a stored weight or a value computed earlier in the step."""
-        if not name:
+        if ref is None:
             return lambda s: None
-        if name.startswith("w:"):
-            w = self.weight(name)
+        if isinstance(ref, WeightRef):
+            w = self.weight(ref)
             return lambda s: w
+        name = ref.name
         return lambda s: s.env[name]
 
     def op_moe(self, node: Node) -> StepFn:
@@ -384,7 +341,7 @@ class Binder:
         if a["act"] not in GATED:
             raise Unsupported(Reason.OPERATION, f"moe:{a['act']}", f"the gated kernel does {sorted(GATED)}")
         attrs = {"group_score": "max", "topk_groups": 1, **a}
-        x_name, out, shape, act = node.inputs[0], node.output, node.shape, self.act
+        x_name, out, shape, act = node.inputs[0].name, node.output, node.shape, self.act
         router = self.weight(node.inputs[1])
         bias = self.weight(node.inputs[2]) if node.inputs[2] else None
         shared = self._value_or_weight(node.inputs[3])
@@ -428,8 +385,8 @@ class Binder:
         a = node.attrs
         if a["style"] not in ROPE_STYLES:
             raise Unsupported(Reason.OPERATION, f"rope:{a['style']}", f"rope styles {sorted(ROPE_STYLES)}")
-        q_name, kv_name, pos_name = node.inputs[:3]
-        norm_w, kv_b, cache_key = self.weight(node.inputs[3]), self.weight(node.inputs[4]), node.inputs[5][2:]
+        q_name, kv_name, pos_name = (r.name for r in node.inputs[:3])
+        norm_w, kv_b, cache_key = self.weight(node.inputs[3]), self.weight(node.inputs[4]), node.inputs[5].name
         dn, dr, dv, eps, scale = int(a["nope_dim"]), int(a["rope_dim"]), int(a["v_dim"]), float(a["eps"]), a["scale"]
         scaling = a.get("scaling") or {}
         cos, sin = self.rope_tables(a["theta"], dr, scaling, self.graph.shape.capacity)  # YaRN factor applied
@@ -478,7 +435,7 @@ class Binder:
         (how batches are padded) goes through the flash-attention kernel with the row's length; any other
         mask falls back to torch's attention with the mask."""
         self.host_syncs = True  # reads each row's start or length on the host
-        q_name, k_name, v_name, mask_name = node.inputs
+        q_name, k_name, v_name, mask_name = (r.name for r in node.inputs)
         scale, out, shape = float(node.attrs["scale"]), node.output, node.shape
 
         def run(s: Step) -> None:
@@ -512,7 +469,7 @@ class Binder:
     def op_layer_norm(self, node: Node) -> StepFn:
         """Plain torch layer norm in float32, output float32 as on the CPU executor: in post-norm encoders
         its output is the residual stream."""
-        x_name, out, shape = node.inputs[0], node.output, node.shape
+        x_name, out, shape = node.inputs[0].name, node.output, node.shape
         w = self.weight(node.inputs[1])
         b = self.weight(node.inputs[2]) if node.inputs[2] else None
         eps = float(node.attrs["eps"])
