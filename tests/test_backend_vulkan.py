@@ -24,6 +24,7 @@ from poot_core import (
     ModelHandle,
     PackedWeight,
     Reason,
+    RequestError,
     StepShape,
     Tracer,
     Unsupported,
@@ -117,6 +118,35 @@ def test_an_output_survives_the_next_step(tiny_checkpoint, vulkan):
     driver._run(PROMPT[8:16], 8, True)  # the same program again
     assert np.array_equal(vulkan.to_numpy(first), copy)
 
+
+
+def test_yarn_rope_matches_cpu(tiny_checkpoint, vulkan, tmp_path):
+    """YaRN's frequencies and its attention factor (cos and sin scaled by 1.14 here) come from poot_core's rope,
+    as on the CPU: the prompt runs past the original context of 16, where the scaled frequencies matter."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama", torch.float32), tmp_path / "yarn")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                 "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    handle = ModelHandle.load(path)
+    ours, ref = both_logits(handle, vulkan)
+    assert rel(ours, ref) <= 1e-3
+    plain = Driver(ModelHandle.load(tiny_checkpoint("llama", torch.float32)), open_executor("cpu"),
+                   DriverOptions(capacity=64, prefill_chunk=16)).logits(PROMPT)
+    assert rel(plain, ref) > 1e-2  # the scaling really changes the logits
+
+
+def test_positions_outside_the_cache_are_a_request_error(tiny_checkpoint, vulkan):
+    """As on the CPU and Triton backends (poot_core's check_positions), before anything runs."""
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    graph = _graph(handle, StepShape(1, 1, 16))
+    program = vulkan.prepare(graph, vulkan.upload(handle.store()))
+    state = vulkan.allocate_state(graph)
+    with pytest.raises(RequestError, match="outside the KV cache"):
+        program.run(state, {"tokens": np.array([[5]]), "positions": np.array([[16]])})
 
 # -- refusals at prepare time ---------------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 `VulkanProgram(...)` checks every node against what the kernels can run (a typed refusal naming the op,
 attribute or shape otherwise), gives each value a device buffer (reusing a buffer once its last reader has
-run), turns each node into an emitter (replay.py), and records the step. `run` writes the step's token ids
-and positions, replays, and returns the outputs as fresh device buffers (a later step does not overwrite
-an output the caller still holds).
+run: poot_core.graph.passes.last_use), turns each node into an emitter through its op's handler
+(`op_<name>`, the dispatch table of the passes), and records the step (replay.py). `run` writes the step's
+token ids and positions, replays, and returns the outputs as fresh device buffers (a later step does not
+overwrite an output the caller still holds).
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from poot_core import CapacityError, Graph, Node, Reason, RequestError, Unsupported
+from poot_core import (
+    Graph,
+    Node,
+    Reason,
+    RequestError,
+    Unsupported,
+    ValueRef,
+    WeightRef,
+    check_positions,
+    rope_attention_factor,
+)
+from poot_core.graph import passes
 
 from .kernels import attention as attn
 from .kernels import elementwise as ew
@@ -28,25 +40,6 @@ from .kernels.weights import DeviceWeight
 from .replay import Emitter, RecordedStep, Recorder, Slot
 from .upload import DeviceWeights
 
-VULKAN_OPS = frozenset(
-    {
-        "embed",
-        "rms_norm",
-        "layer_norm",
-        "linear",
-        "reshape",
-        "rope",
-        "attention",
-        "gated",
-        "activation",
-        "add",
-        "mul",
-        "scale",
-        "last_position",
-        "logits",
-        "moe",
-    }
-)
 GATED = ("silu", "gelu_tanh")
 ACTIVATIONS = ("silu", "gelu_tanh", "relu")
 DECODE_SPLIT = 32  # KV positions per workgroup of split-K decode attention (each thread of it takes a key)
@@ -72,24 +65,6 @@ def copy_values(batch: Any, src: DeviceArray, dst: DeviceArray, count: int, src_
 
 def _view(array: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
     return DeviceArray(array.buffer, tuple(shape), array.dtype)
-
-
-def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
-    """The scaling dict with the defaults the CPU reference applies (rope_inv_freq wants every key)."""
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind == "llama3":
-        return {
-            "rope_type": "llama3",
-            "factor": scaling["factor"],
-            "low_freq_factor": scaling.get("low_freq_factor", 1.0),
-            "high_freq_factor": scaling.get("high_freq_factor", 4.0),
-            "original_max_position_embeddings": scaling.get("original_max_position_embeddings", 8192),
-        }
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": scaling["factor"]}
-    raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "the vulkan rope has default, linear and llama3")
 
 
 class _Buffers:
@@ -127,18 +102,21 @@ class VulkanProgram:
         self.inputs = {name: runtime.empty(self.tokens, "u32") for name in graph.inputs}
         self.values: dict[str, DeviceArray] = {}
         self._buffers = _Buffers(runtime)
-        self._last_use = self._liveness()
-        self._rope_tables: dict[tuple[Any, ...], DeviceArray] = {}
+        self._last_use = passes.last_use(graph)
+        self._add_norm = set(passes.add_norm_pairs(graph.nodes))
+        self._shared_input = {i: group for group in passes.shared_input_linears(graph.nodes) for i in group}
+        self._rope_tables: dict[tuple[Any, ...], tuple[DeviceArray, float]] = {}
         # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
         # sum name -> (a, b), with a and b kept alive until the norm has read them
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
         self._late_reads: dict[int, list[str]] = {}
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
         self._scratch_buffers: dict[tuple[str, tuple[int, ...]], DeviceArray] = {}
+        dispatch: passes.Dispatch[Emitter | None] = passes.Dispatch(self, "vulkan")
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
             self._at = index
-            emitter = self._node(node)
+            emitter = dispatch(node)
             if emitter is not None:
                 emitters.append(emitter)
             self._release(index, node)
@@ -158,19 +136,10 @@ class VulkanProgram:
 
     # -- planning ------------------------------------------------------------------------------------
 
-    def _liveness(self) -> dict[str, int]:
-        """The index of the last node that reads each value (graph outputs live forever)."""
-        last: dict[str, int] = {}
-        for index, node in enumerate(self.graph.nodes):
-            for name in node.inputs:
-                last[name] = index
-        for name in self.graph.outputs:
-            last[name] = len(self.graph.nodes)
-        return last
-
     def _release(self, index: int, node: Node) -> None:
         """After node `index`: a buffer whose every aliasing value is dead goes back to the pool."""
-        for name in {*node.inputs, node.output, *self._late_reads.get(index, ())}:
+        read = (r.name for r in node.inputs if isinstance(r, ValueRef))
+        for name in {*read, node.output, *self._late_reads.get(index, ())}:
             value = self.values.get(name)
             if value is None or self._last_use.get(name, -1) > index:
                 continue
@@ -188,23 +157,24 @@ class VulkanProgram:
         return self._define(node.output, self._buffers.take(tuple(node.shape)))
 
     def _value(self, node: Node, i: int) -> DeviceArray:
-        name = node.inputs[i]
+        ref = node.inputs[i]
+        name = "" if ref is None else ref.name
+        if isinstance(ref, WeightRef):
+            found = self.weights.vectors.get(name)
+            if found is None:
+                self._missing(node, name, "a vector")
+            return found
         if name in self.inputs:
             return self.inputs[name]
-        if name.startswith("w:"):
-            found = self.weights.vectors.get(name[2:])
-            if found is None:
-                self._missing(node, name[2:], "a vector")
-            return found
         if name not in self.values:
             raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
         return self.values[name]
 
     def _matrix(self, node: Node, i: int) -> DeviceWeight:
-        name = node.inputs[i]
-        found = self.weights.matrices.get(name[2:]) if name.startswith("w:") else None
+        ref = node.inputs[i]
+        found = self.weights.matrices.get(ref.name) if isinstance(ref, WeightRef) else None
         if found is None:
-            self._missing(node, name.removeprefix("w:"), "a stored matrix")
+            self._missing(node, str(ref), "a stored matrix")
         return found
 
     def _missing(self, node: Node, weight: str, wanted: str) -> None:
@@ -212,17 +182,11 @@ class VulkanProgram:
         raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the vulkan backend needs {wanted}: {why}")
 
     def _optional(self, node: Node, i: int) -> DeviceArray | None:
-        return self._value(node, i) if i < len(node.inputs) and node.inputs[i] else None
+        return self._value(node, i) if node.input(i) is not None else None
 
-    # -- nodes ---------------------------------------------------------------------------------------
+    # -- nodes: op X is handled by op_X ------------------------------------------------------------------
 
-    def _node(self, node: Node) -> Emitter | None:
-        handler: Callable[[Node], Emitter | None] | None = getattr(self, f"_op_{node.op}", None)
-        if handler is None:
-            raise Unsupported(Reason.OPERATION, node.op, "the vulkan backend has no kernel for it")
-        return handler(node)
-
-    def _op_embed(self, node: Node) -> Emitter:
+    def op_embed(self, node: Node) -> Emitter:
         table, ids = self._matrix(node, 0), self._value(node, 1)
         out = self._new(node)
         scale = node.attrs.get("scale")
@@ -230,11 +194,11 @@ class VulkanProgram:
         flat = _view(out, (ids.size, table.cols))
         return lambda rec, start: lin.embed(rec, table, ids, flat, scale)
 
-    def _op_rms_norm(self, node: Node) -> Emitter:
+    def op_rms_norm(self, node: Node) -> Emitter:
         x, w = self._value(node, 0), self._value(node, 1)
         out = self._new(node)
         eps, offset = float(node.attrs["eps"]), float(node.attrs.get("offset") or 0.0)
-        fused = self._fused_adds.pop(node.inputs[0], None)
+        fused = self._fused_adds.pop(node.inputs[0].name, None)
         if fused is not None:  # x = a + b is computed here and stored to x's buffer for its other readers
             a, b = fused
             return lambda rec, start: norms.rms_norm(
@@ -242,13 +206,13 @@ class VulkanProgram:
             )
         return lambda rec, start: norms.rms_norm(rec, x, w, out, eps=eps, weight_offset=offset)
 
-    def _op_layer_norm(self, node: Node) -> Emitter:
+    def op_layer_norm(self, node: Node) -> Emitter:
         x, w, b = self._value(node, 0), self._value(node, 1), self._optional(node, 2)
         out = self._new(node)
         eps = float(node.attrs["eps"])
         return lambda rec, start: norms.layer_norm(rec, x, w, out, eps=eps, bias=b)
 
-    def _op_linear(self, node: Node) -> Emitter | None:
+    def op_linear(self, node: Node) -> Emitter | None:
         if node.output in self._filled:  # computed by the concatenated matmul of an earlier node
             return None
         x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
@@ -267,28 +231,30 @@ class VulkanProgram:
 
     def _concatenated_partners(self, node: Node) -> tuple[DeviceWeight, list[Node]] | None:
         """For a one-token linear on the first part of an uploaded concatenation (q of q/k/v, gate of
-        gate/up): the concatenation and the later linear nodes that read the other parts from the same
-        input, when every part is there; else None (each part then runs alone, as a row range)."""
-        if self.tokens != 1:
+        gate/up): the concatenation and the later linear nodes of its shared-input group
+        (passes.shared_input_linears) that read the other parts, when every part is there; else None (each
+        part then runs alone, as a row range)."""
+        weight = passes.linear_weight(node)
+        if self.tokens != 1 or weight is None:
             return None
-        found = self.weights.concatenation_of(node.inputs[1].removeprefix("w:"))
+        found = self.weights.concatenation_of(weight)
         if found is None:
             return None
         names, whole = found
         per_word = lin.GEMV_FORMATS.get(whole.fmt.name)
-        if node.inputs[1] != "w:" + names[0] or per_word is None or whole.cols % per_word:
+        if weight != names[0] or per_word is None or whole.cols % per_word:
             return None
         partners: dict[str, Node] = {}
-        for later in self.graph.nodes[self._at + 1 :]:
-            weight = later.inputs[1] if later.op == "linear" and len(later.inputs) > 1 else ""
-            unbiased = len(later.inputs) < 3 or not later.inputs[2]
-            if later.inputs[0] == node.inputs[0] and weight.removeprefix("w:") in names[1:] and unbiased:
-                partners.setdefault(weight.removeprefix("w:"), later)
+        for at in self._shared_input.get(self._at, ()):
+            later = self.graph.nodes[at]
+            part = passes.linear_weight(later)
+            if at > self._at and part in names[1:]:
+                partners.setdefault(str(part), later)
         if len(partners) != len(names) - 1:
             return None
         return whole, [partners[name] for name in names[1:]]
 
-    def _op_logits(self, node: Node) -> Emitter:
+    def op_logits(self, node: Node) -> Emitter:
         x, w = self._value(node, 0), self._matrix(node, 1)
         out = self._new(node)
         flat_x, flat_out = _view(x, (x.size // w.cols, w.cols)), _view(out, (x.size // w.cols, w.rows))
@@ -303,14 +269,14 @@ class VulkanProgram:
 
         return emit
 
-    def _op_reshape(self, node: Node) -> None:
+    def op_reshape(self, node: Node) -> None:
         x = self._value(node, 0)
         if math.prod(node.shape) != x.size:
             raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
         self._define(node.output, _view(x, tuple(node.shape)))
         return None
 
-    def _op_rope(self, node: Node) -> Emitter:
+    def op_rope(self, node: Node) -> Emitter:
         x, positions = self._value(node, 0), self._value(node, 1)
         if len(node.shape) != 4:
             raise Unsupported(Reason.SHAPE, f"rope of {node.shape}", "rope takes [rows, tokens, heads, head_dim]")
@@ -319,16 +285,18 @@ class VulkanProgram:
         style = a.get("style", "neox")
         if style not in ("neox", "interleaved"):
             raise Unsupported(Reason.OPERATION, f"rope style {style}", "the vulkan rope has neox and interleaved")
-        scaling = _rope_scaling(dict(a.get("scaling") or {}))
-        key = (float(a["theta"]), int(a["dim"]), repr(sorted((scaling or {}).items())))
-        table = self._rope_tables.get(key)
-        if table is None:
+        scaling = dict(a.get("scaling") or {})
+        key = (float(a["theta"]), int(a["dim"]), repr(sorted(scaling.items())))
+        found = self._rope_tables.get(key)
+        if found is None:  # the reference's frequencies (poot_core.rope), YaRN's attention factor beside them
             inv = positional.rope_inv_freq(int(a["dim"]), float(a["theta"]), scaling)
-            table = self._rope_tables[key] = self.runtime.upload(inv)
+            found = self._rope_tables[key] = (self.runtime.upload(inv), rope_attention_factor(scaling))
+        table, factor = found
         # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
+        x_name = node.inputs[0].name
         in_place = (
-            node.inputs[0] in self.values
-            and self._last_use.get(node.inputs[0]) == self._at
+            x_name in self.values
+            and self._last_use.get(x_name) == self._at
             and self._buffers.users.get(id(x.buffer)) == 1
         )
         if in_place:
@@ -340,13 +308,14 @@ class VulkanProgram:
         def emit(rec: Recorder, start: int) -> None:
             if not in_place:
                 copy_values(rec, x, out, x.size)
-            positional.rope(rec, rotated, positions, table, heads=heads, head_dim=head_dim, style=style)
+            positional.rope(rec, rotated, positions, table, heads=heads, head_dim=head_dim, style=style,
+                            factor=factor)
 
         return emit
 
-    def _op_attention(self, node: Node) -> Emitter:
+    def op_attention(self, node: Node) -> Emitter:
         q, k, v = self._value(node, 0), self._value(node, 1), self._value(node, 2)
-        k_name, v_name = node.inputs[4].removeprefix("s:"), node.inputs[5].removeprefix("s:")
+        k_name, v_name = node.inputs[4].name, node.inputs[5].name
         spec = self.graph.state.get(k_name)
         if spec is None or v_name not in self.graph.state:
             raise Unsupported(Reason.OPERATION, "attention", "its KV state is not declared by the graph")
@@ -402,7 +371,7 @@ class VulkanProgram:
 
         return emit
 
-    def _op_gated(self, node: Node) -> Emitter:
+    def op_gated(self, node: Node) -> Emitter:
         act = node.attrs.get("act", "silu")
         if act not in GATED:
             raise Unsupported(Reason.OPERATION, f"gated {act}", f"the vulkan kernels have {', '.join(GATED)}")
@@ -410,7 +379,7 @@ class VulkanProgram:
         out = self._new(node)
         return lambda rec, start: ew.gated_activation(rec, gate, up, out, act)
 
-    def _op_activation(self, node: Node) -> Emitter:
+    def op_activation(self, node: Node) -> Emitter:
         act = node.attrs.get("act")
         if act not in ACTIVATIONS:
             raise Unsupported(
@@ -432,24 +401,22 @@ class VulkanProgram:
         b_view = _view(b, a.shape)
         return lambda rec, start: kernel(rec, a, b_view, out)
 
-    def _op_add(self, node: Node) -> Emitter | None:
-        nodes = self.graph.nodes
-        after = nodes[self._at + 1] if self._at + 1 < len(nodes) else None
+    def op_add(self, node: Node) -> Emitter | None:
         a, b = self._value(node, 0), self._value(node, 1)
-        if after is not None and after.op == "rms_norm" and after.inputs[0] == node.output and a.size == b.size:
+        if self._at in self._add_norm and a.size == b.size:  # the next node, an rms_norm, computes the sum
             self._new(node)
             self._fused_adds[node.output] = (a, _view(b, a.shape))
-            for name in node.inputs[:2]:  # read by the norm: released after it, not after this node
+            for name in (r.name for r in node.inputs[:2]):  # read by the norm: released after it, not after this node
                 if self._last_use.get(name, -1) == self._at:
                     self._last_use[name] = self._at + 1
                     self._late_reads.setdefault(self._at + 1, []).append(name)
             return None
         return self._binary(node, ew.add)
 
-    def _op_mul(self, node: Node) -> Emitter:
+    def op_mul(self, node: Node) -> Emitter:
         return self._binary(node, ew.mul)
 
-    def _op_scale(self, node: Node) -> Emitter:
+    def op_scale(self, node: Node) -> Emitter:
         x = self._value(node, 0)
         out = self._new(node)
         factor = float(node.attrs["factor"])
@@ -463,7 +430,7 @@ class VulkanProgram:
             found = self._scratch_buffers[(key, shape)] = self._buffers.take(shape)
         return found
 
-    def _op_moe(self, node: Node) -> Emitter:
+    def op_moe(self, node: Node) -> Emitter:
         """Routing on the device (softmax top-k into a dense row of weights per token), then every expert's
         gated MLP over the step's tokens, each added in with its weight (zero where the expert was not chosen):
         correct, and recordable once per step, but it reads every expert's weights, so its cost follows the
@@ -510,7 +477,7 @@ class VulkanProgram:
 
         return emit
 
-    def _op_last_position(self, node: Node) -> Emitter:
+    def op_last_position(self, node: Node) -> Emitter:
         x = self._value(node, 0)
         width = x.shape[-1]
         out = self._new(node)
@@ -520,6 +487,7 @@ class VulkanProgram:
     # -- running -------------------------------------------------------------------------------------
 
     def run(self, state: dict[str, DeviceArray], inputs: dict[str, np.ndarray]) -> list[Output]:
+        check_positions(self.graph, inputs)  # a RequestError, as on every backend, before anything is written
         start = self._write_inputs(inputs)
         runtime = self.runtime
         slots = {name: array.buffer for name, array in state.items()}
@@ -562,6 +530,7 @@ class VulkanProgram:
         start = int(positions[0, 0])
         if np.any(positions[0] != start + np.arange(self.tokens)):
             raise RequestError("positions must be consecutive within a step")
-        if start + self.tokens > self.capacity:
-            raise CapacityError(f"positions up to {start + self.tokens} exceed the KV capacity of {self.capacity}")
         return start
+
+
+VULKAN_OPS = passes.handled_ops(VulkanProgram)  # the vocabulary ops it has an op_<name> handler for

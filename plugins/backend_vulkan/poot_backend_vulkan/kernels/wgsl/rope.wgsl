@@ -2,7 +2,8 @@
 // neox "rotate half" is step 1, gap rot_dim / 2 and the interleaved form (llama.cpp's layout of
 // permuted q/k) is step 2, gap 1. Only the first
 // rot_dim values of each head rotate (partial rotary); inv_freq holds rot_dim / 2 inverse frequencies,
-// already scaled on the host (llama3, linear, ...). positions[t] is token t's absolute position.
+// already scaled on the host (llama3, linear, yarn); factor scales cos and sin (YaRN's attention factor,
+// 1 otherwise). positions[t] is token t's absolute position.
 struct Params {
     tokens: u32,
     heads: u32,
@@ -10,6 +11,7 @@ struct Params {
     rot_dim: u32,
     step: u32,
     gap: u32,
+    factor: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -28,8 +30,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let th = index / half;  // token * heads + head
     let t = th / p.heads;
     let angle = f32(positions[t]) * inv_freq[i];
-    let c = cos(angle);
-    let s = sin(angle);
+    let c = cos(angle) * p.factor;
+    let s = sin(angle) * p.factor;
     let a = th * p.head_dim + p.step * i;
     let x1 = x[a];
     let x2 = x[a + p.gap];
