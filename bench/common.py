@@ -1,9 +1,14 @@
-"""Shared pieces of the benchmarks: the memory-bandwidth floor, timing, and writing results as JSON."""
+"""Shared pieces of the benchmarks: the memory-bandwidth floor, timing, resident memory, llama.cpp as the peer,
+and writing results as JSON."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +16,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # the version whose sdist scripts/fetch_test_data.py unpacks
 
 
 def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -24,6 +30,64 @@ def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
+
+
+def anonymous_bytes() -> int:
+    """This process's resident anonymous memory (copies, caches, heaps), after freeing what can be freed:
+    malloc keeps freed scratch that is not the model's."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Anonymous line in /proc/self/smaps_rollup")
+
+
+def mapped_bytes(path: Path) -> int:
+    """Resident bytes of this process's mappings of the file at `path` (its pages actually read)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+def llama_cpp() -> Any:
+    """The llama_cpp module, built from source into this environment the first time (several minutes)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print(f"building {LLAMA_CPP} from source (several minutes) ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", LLAMA_CPP], check=True)
+        import llama_cpp
+    return llama_cpp
+
+
+def poot_round(driver: Any, ids: list[int], new_tokens: int) -> dict[str, float]:
+    """One prefill of `ids` from an empty cache and `new_tokens` greedy tokens: tok/s of each."""
+    from poot_core import GenerateRequest
+
+    driver.reset()  # nothing reused from the previous round
+    r = driver.generate(GenerateRequest(ids, max_new=new_tokens, ignore_eos=True))
+    return {"prefill": r.timings.prefill_tok_s, "decode": r.timings.decode_tok_s}
+
+
+def llama_cpp_round(llm: Any, ids: list[int], new_tokens: int) -> dict[str, float]:
+    """poot_round for a llama_cpp.Llama, timed as poot's Timings are: decode is `new_tokens` samples and
+    `new_tokens - 1` steps."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    prefill = len(ids) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    token = llm.sample(temp=0.0)
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    return {"prefill": prefill, "decode": (new_tokens - 1) / (time.perf_counter() - t0)}
 
 
 def write(name: str, payload: dict[str, Any]) -> Path:
