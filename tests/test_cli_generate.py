@@ -1,5 +1,6 @@
-"""`poot generate`: flags, refusals before the checkpoint is read, streaming, conversation K/V reuse,
-Ctrl-C and broken pipes."""
+"""`poot generate`: flags, refusals before the checkpoint is read, streaming, conversation K/V reuse, the
+context window and its memory, threads, --json and --verbose-prompt, Ctrl-C and broken pipes. The chat on a
+terminal is in test_cli_chat.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +46,14 @@ def broken(tmp_path):
     (["--no-chat-template", "--chat-template", "{{ x }}"], "does not combine"),
     (["--chat-template", "{{ x }}", "--chat-template-file", "f"], "do not combine"),
     (["--conversation", "--no-chat-template"], "needs a chat template"),
+    (["--system-prompt", "be brief", "--no-chat-template"], "does not combine"),
+    (["--single-turn", "--no-conversation"], "does not combine"),
+    (["--conversation", "--json"], "does not combine"),
     (["-n", "-5"], "-n must be"),
+    (["-c", "-1"], "-c must be"),
+    (["-t", "0"], "-t must be"),
+    (["-tb", "-3"], "-tb must be"),
+    (["-b", "0"], "-b must be"),
 ])
 def test_refusals_come_before_the_checkpoint_is_read(broken, flags, words):
     out = poot("generate", "-m", broken, "-p", "hi", *flags)
@@ -159,3 +168,154 @@ def test_progress_bar_only_for_large_checkpoints_on_a_terminal(tmp_path):
     small = tmp_path / "small.gguf"
     small.write_bytes(b"x")
     assert not progress.warm_with_progress(small, Tty())
+
+
+def _without_template(model: str, target) -> str:
+    shutil.copytree(model, target)
+    tc = json.loads((target / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(tc))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    return str(target)
+
+
+def _with_window(model: str, target, window: int) -> str:
+    """The tiny checkpoint with a config that claims a `window`-position context."""
+    shutil.copytree(model, target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = window
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def test_system_prompt_needs_a_template(model, tmp_path):
+    plain = _without_template(model, tmp_path / "plain")
+    out = poot("generate", "-m", plain, "-p", "hi", "--system-prompt", "be brief", "-n", "1")
+    assert out.returncode == 1 and "--system-prompt needs a chat template" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_single_turn_without_a_prompt_answers_the_first_line(model):
+    for flags in (["--conversation", "--single-turn"], ["--single-turn"]):
+        out = poot("generate", "-m", model, *flags, "-n", "3", "--ignore-eos", "-v", stdin="first\nsecond\n")
+        assert out.returncode == 0, out.stderr
+        assert len(re.findall(r"turn: \d+ prompt tokens", out.stderr)) == 1  # one reply, to "first"
+        assert out.stdout.strip()
+
+
+def _reference(model: str, prompt_ids: list[int], n: int, capacity: int = 512):
+    handle = ModelHandle.load(model)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=capacity, prefill_chunk=256)).serve()
+    return driver.generate(GenerateRequest(prompt_ids, n, ignore_eos=True))
+
+
+def test_json_prints_one_object_with_the_drivers_result(model):
+    out = poot("generate", "-m", model, "--no-chat-template", "-p", "The capital of France is", "-n", "9",
+               "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 1
+    result = json.loads(out.stdout)
+    ids = ModelHandle.load(model).text().encode("The capital of France is")
+    expected = _reference(model, ids, 9)
+    assert result["text"] == expected.text and result["tokens"] == expected.tokens
+    assert result["stop_reason"] == "length" and result["prompt_tokens"] == len(ids)
+    assert result["timings"]["decode_tokens"] == 8 and result["timings"]["load_seconds"] > 0
+    assert result["backend"] == "cpu" and result["context"] == 512
+
+
+def test_verbose_prompt_shows_the_rendered_prompt_and_its_tokens(model):
+    out = poot("generate", "-m", model, "-p", "Hello there", "-n", "1", "--verbose-prompt", "--no-show-timings")
+    assert out.returncode == 0, out.stderr
+    handle = ModelHandle.load(model)
+    rendered = handle.text().render_chat_value([{"role": "user", "content": "Hello there"}])
+    ids = handle.text().encode_chat(rendered)
+    assert f"prompt: {rendered.text!r}" in out.stderr
+    assert f"number of tokens in prompt = {len(ids)}" in out.stderr
+    shown = [int(i) for i in re.findall(r"^ *(\d+) -> ", out.stderr, re.M)]
+    assert shown == ids
+
+
+def test_ignore_eos_generates_through_the_end_of_turn_marker():
+    """SmolLM2's reply ends at <|im_end|>; with --ignore-eos it goes on for the -n asked."""
+    gguf = str(smollm.gguf_path())
+    args = ["generate", "-m", gguf, "-p", "Say hello.", "--json", "-c", "256"]
+    first = json.loads(poot(*args, "-n", "48").stdout)
+    assert first["stop_reason"] in ("eos", "stop") and len(first["tokens"]) < 48
+    through = json.loads(poot(*args, "-n", str(len(first["tokens"]) + 4), "--ignore-eos").stdout)
+    assert through["stop_reason"] == "length" and len(through["tokens"]) == len(first["tokens"]) + 4
+    assert through["text"].startswith(first["text"]) and "<|im_end|>" in through["text"]
+
+
+def _kv_mib(stderr: str) -> tuple[float, int]:
+    size, unit, positions = re.search(r"KV cache: ([\d.]+) (KiB|MiB|GiB) for (\d+) positions", stderr).groups()
+    return float(size) * {"KiB": 2**-10, "MiB": 1, "GiB": 2**10}[unit], int(positions)
+
+
+def test_default_context_is_4096_capped_at_the_models_window(model, tmp_path):
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    # float32 K and V per layer, per KV head, per position: the CPU executor's cache
+    per_position = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+    long = _with_window(model, tmp_path / "long", 32768)
+    for path, flags, expected in ((long, [], 4096), (model, [], 512), (long, ["-c", "0"], 32768),
+                                  (long, ["-c", "1000"], 1000)):
+        out = poot("generate", "-m", path, "--no-chat-template", "-p", "hi", "-n", "1", "-v", *flags)
+        assert out.returncode == 0, out.stderr
+        assert f"context {expected} of the model's" in out.stderr
+        mib, positions = _kv_mib(out.stderr)
+        assert positions == expected and mib == pytest.approx(per_position * expected / 2**20, rel=1e-3)
+    out = poot("generate", "-m", model, "-p", "hi", "-c", "1024")
+    assert out.returncode == 1 and "larger than the model's window of 512" in out.stderr
+
+
+def test_a_window_that_does_not_fit_in_memory_is_refused_before_it_is_allocated(model, tmp_path):
+    huge = _with_window(model, tmp_path / "huge", 2**31)
+    start = time.perf_counter()
+    out = poot("generate", "-m", huge, "--no-chat-template", "-p", "hi", "-n", "1", "-c", "0")
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+    assert re.search(r"-c 2147483648 needs a KV cache of [\d.]+ GiB .* available; give -c \d+ or less", out.stderr)
+    assert time.perf_counter() - start < 120  # refused, not allocated and paged
+
+
+def test_load_time_and_context_full_show_without_verbose(model):
+    out = poot("generate", "-m", model, "--no-chat-template", "-p", "hi", "-c", "24", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    assert "context full" in out.stderr and re.search(r"load: [\d.]+ s \| prefill", out.stderr)
+
+
+def test_sampling_flags_under_greedy_decoding_warn(model):
+    out = poot("generate", "-m", model, "--no-chat-template", "-p", "hi", "-n", "1", "--top-k", "5", "-s", "3")
+    assert out.returncode == 0
+    assert "warning: --top-k, -s have no effect at --temp 0" in out.stderr
+
+
+def test_an_encoder_checkpoint_is_refused_with_what_to_use():
+    from test_encoders import minilm_path
+
+    out = poot("generate", "-m", str(minilm_path()), "-p", "hi", "-n", "1")
+    assert out.returncode == 1 and "encoder model" in out.stderr and "poot embed" in out.stderr
+    assert "StepShape" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_threads_set_the_cpu_thread_count_for_prefill_and_decode(model, monkeypatch, capsys):
+    """-tb while the prompt is prefilled, -t while tokens are decoded: the count every CPU kernel reads."""
+    from poot_core.cli.main import main
+    from poot_core.cpu.executor import CpuProgram
+
+    seen: list[tuple[int, int]] = []
+    run = CpuProgram.run
+
+    def spy(self, state, inputs):
+        seen.append((int(inputs["tokens"].shape[1]), torch.get_num_threads()))
+        return run(self, state, inputs)
+
+    monkeypatch.setattr(CpuProgram, "run", spy)
+    before = torch.get_num_threads()
+    try:
+        rc = main(["generate", "-m", model, "--no-chat-template", "-p", "hello world", "-n", "4", "--ignore-eos",
+                   "-t", "1", "-tb", "3", "--backend", "cpu"])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0, capsys.readouterr().err
+    assert seen[0][0] > 1 and {t for n, t in seen if n > 1} == {3}
+    assert len([n for n, _ in seen if n == 1]) == 3 and {t for n, t in seen if n == 1} == {1}

@@ -111,6 +111,8 @@ class Conversation:
         if stream:
             sys.stdout.write("\n")
             sys.stdout.flush()
+        if a.n_predict < 0 and result.stop_reason == "length":
+            result.stop_reason = "capacity"  # -n -1 ran to the end of the window (the driver counts it as length)
         if self.use_chat:
             self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": result.text}]
         self._report(ids, result)
