@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,19 +106,24 @@ def test_gemv_matches_float64(type_name: str, build: str) -> None:
 
 
 class CountingLib:
-    """The kernel library with its calls counted by name (to show which route a product took)."""
+    """The kernel library with its calls counted by name (to show which route a product took). Each function is
+    a C function pointer of the kernel's signature (callable, and castable to an address like the real one)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib, self.calls = lib, Counter[str]()
+        self._wrapped: dict[str, Any] = {}
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self.lib, name)
+    def __getattr__(self, name: str) -> Any:
+        if name not in self._wrapped:
+            fn = getattr(self.lib, name)
+            argtypes, restype = c_kernels.SIGNATURES[name]
 
-        def counted(*args: Any) -> Any:
-            self.calls[name] += 1
-            return fn(*args)
+            def counted(*args: Any) -> Any:
+                self.calls[name] += 1
+                return fn(*args)
 
-        return counted
+            self._wrapped[name] = ctypes.CFUNCTYPE(restype, *argtypes)(counted)
+        return self._wrapped[name]
 
 
 @pytest.fixture

@@ -10,10 +10,6 @@
    is summed before its scale. Up to four rows of x share one decode of each block (decode steps); prefill
    dequantizes tiles of rows into a float32 buffer for torch's matmul (poot_dequant_kl). */
 #include "common.h"
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define KL_AVX2 1
-#endif
 
 enum { KL_Q2_K = 0, KL_Q3_K = 1, KL_IQ4_XS = 2 };
 static const int64_t kl_size[3] = {84, 110, 136};
@@ -34,7 +30,7 @@ static inline int kl_iq4_scale(const uint8_t *b, int ib) {
     return (((b[4 + ib / 2] >> (4 * (ib & 1))) & 15) | (hi << 4)) - 32;
 }
 
-#ifndef KL_AVX2
+#if !POOT_AVX2
 /* One block dequantized into v[256] (the route without AVX2). */
 static void kl_block(int type, const uint8_t *b, float *v) {
     if (type == KL_Q2_K) { /* scales[16] (scale | min << 4), qs[64], d, dmin */
@@ -63,16 +59,18 @@ static void kl_block(int type, const uint8_t *b, float *v) {
 
 #endif
 
-#ifdef KL_AVX2
+#if POOT_AVX2
 #define KL_INLINE static inline __attribute__((always_inline))
 
 /* Where one block's decoded weights go: m == 0 stores them to out; else they are multiplied by m rows of x
-   (the block's 256 inputs at x, rows xs apart) into acc[row][one of A accumulators]. */
+   (the block's 256 inputs at x, rows xs apart) into acc[row][one of A accumulators]. Q2_K with one row also
+   uses xs16 (the sums of each 16 inputs, advanced per block) and macc (its minimum terms). */
 typedef struct {
     const float *x;
     int64_t xs;
     float *out;
-    __m256 acc[4][4];
+    const float *xs16;
+    __m256 acc[4][4], macc;
 } kl_sink;
 
 /* Accumulators per row: enough independent sums to hide the multiply-add latency. */
@@ -95,7 +93,9 @@ static inline __m256i kl_u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_m
 
 /* Q2_K: the weights of 16-value group g are dl_g * q - ml_g, q in 0..3 taken from bits 2j of qs[32n + l]. The
    table {dl*0 - ml, ..., dl*3 - ml} (one fused multiply-add: dl * q is exact, so this is ggml's single rounding)
-   is looked up by the code bits directly: the in-lane permute reads only the two low bits of each index. */
+   is looked up by the code bits directly: the in-lane permute reads only the two low bits of each index. With
+   one row of x the table is not built: each group adds dl_g * (q . x) and the block's minimum terms come off
+   as ml . xs16 (20% faster on an AVX2 EPYC, where building the tables waited on the scales). */
 KL_INLINE void kl_q2k(const int m, const uint8_t *b, kl_sink *s) {
     float dl[16] __attribute__((aligned(32))), ml[16] __attribute__((aligned(32)));
     const __m128i sc = _mm_loadu_si128((const __m128i *)b), low4 = _mm_set1_epi8(15);
@@ -106,6 +106,11 @@ KL_INLINE void kl_q2k(const int m, const uint8_t *b, kl_sink *s) {
     _mm256_store_ps(ml, _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
     _mm256_store_ps(ml + 8, _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
     const __m256 codes = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+    if (m == 1) {
+        s->macc = _mm256_fmadd_ps(_mm256_load_ps(ml), _mm256_loadu_ps(s->xs16), s->macc);
+        s->macc = _mm256_fmadd_ps(_mm256_load_ps(ml + 8), _mm256_loadu_ps(s->xs16 + 8), s->macc);
+        s->xs16 += 16;
+    }
 #pragma GCC unroll 2
     for (int n = 0; n < 2; n++)
 #pragma GCC unroll 2
@@ -114,9 +119,17 @@ KL_INLINE void kl_q2k(const int m, const uint8_t *b, kl_sink *s) {
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const int g = 8 * n + 2 * j + h, e = 16 * g;
-                const __m256 t = _mm256_fmadd_ps(_mm256_broadcast_ss(dl + g), codes, _mm256_broadcast_ss(ml + g));
-                kl_emit(m, s, _mm256_permutevar_ps(t, _mm256_srli_epi32(q0, 2 * j)), e);
-                kl_emit(m, s, _mm256_permutevar_ps(t, _mm256_srli_epi32(q1, 2 * j)), e + 8);
+                const __m256i i0 = _mm256_srli_epi32(q0, 2 * j), i1 = _mm256_srli_epi32(q1, 2 * j);
+                if (m == 1) {
+                    const __m256 p = _mm256_fmadd_ps(_mm256_permutevar_ps(codes, i1), _mm256_loadu_ps(s->x + e + 8),
+                                                     _mm256_mul_ps(_mm256_permutevar_ps(codes, i0),
+                                                                   _mm256_loadu_ps(s->x + e)));
+                    s->acc[0][g % 4] = _mm256_fmadd_ps(_mm256_broadcast_ss(dl + g), p, s->acc[0][g % 4]);
+                } else {
+                    const __m256 t = _mm256_fmadd_ps(_mm256_broadcast_ss(dl + g), codes, _mm256_broadcast_ss(ml + g));
+                    kl_emit(m, s, _mm256_permutevar_ps(t, i0), e);
+                    kl_emit(m, s, _mm256_permutevar_ps(t, i1), e + 8);
+                }
             }
         }
 }
@@ -218,25 +231,20 @@ KL_INLINE void kl_decode(const int type, const int m, const uint8_t *b, kl_sink 
     else kl_iq4xs(m, b, s);
 }
 
-static inline float kl_hsum(__m256 v) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-/* y[r * n + o] for m (1..4) rows of x [m, nb * 256] and the weight rows o0 <= o < o1 (one thread's share). */
-KL_INLINE void kl_rows(const int type, const int m, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb,
-                       const float *x, float *y, int64_t o0, int64_t o1) {
+/* y[r * n + o] for m (1..4) rows of x [m, nb * 256] and the weight rows o0 <= o < o1 (one thread's share);
+   xs16: the sums of each 16 values of x (Q2_K, m == 1). */
+KL_INLINE void kl_rows(const int type, const int m, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                       const float *x, const float *xs16, float *y, int64_t n, int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; o++) {
-        kl_sink s = {.x = x, .xs = nb * 256};
+        kl_sink s = {.x = x, .xs = nb * 256, .xs16 = xs16, .macc = _mm256_setzero_ps()};
         for (int r = 0; r < m; r++)
             for (int a = 0; a < KL_A(m); a++) s.acc[r][a] = _mm256_setzero_ps();
         const uint8_t *row = w + o * row_bytes;
         for (int64_t b = 0; b < nb; b++, s.x += 256) kl_decode(type, m, row + b * kl_size[type], &s);
         for (int r = 0; r < m; r++) {
-            __m256 t = s.acc[r][0];
-            for (int a = 1; a < KL_A(m); a++) t = _mm256_add_ps(t, s.acc[r][a]);
-            y[r * n + o] = kl_hsum(t);
+            __m256 t = r == 0 ? s.macc : _mm256_setzero_ps();
+            for (int a = 0; a < KL_A(m); a++) t = _mm256_add_ps(t, s.acc[r][a]);
+            y[r * n + o] = hsum8(t);
         }
     }
 }
@@ -244,14 +252,17 @@ KL_INLINE void kl_rows(const int type, const int m, const uint8_t *w, int64_t ro
 /* One copy of kl_rows per type and row count, so that both are constants inside (the accumulators then stay
    in registers). The parallel region is outside: OpenMP outlines its body before constants propagate. */
 #define KL_ROWS(T, M) \
-    static void kl_rows_##T##_##M(const uint8_t *w, int64_t rb, int64_t n, int64_t nb, const float *x, float *y, \
-                                  int64_t o0, int64_t o1) { kl_rows(T, M, w, rb, n, nb, x, y, o0, o1); }
+    static void kl_rows_##T##_##M(const uint8_t *w, int64_t rb, int64_t nb, const float *x, const float *xs16, \
+                                  float *y, int64_t n, int64_t o0, int64_t o1) { \
+        kl_rows(T, M, w, rb, nb, x, xs16, y, n, o0, o1); \
+    }
 #define KL_ROWS_TYPE(T) KL_ROWS(T, 1) KL_ROWS(T, 2) KL_ROWS(T, 3) KL_ROWS(T, 4)
 KL_ROWS_TYPE(KL_Q2_K)
 KL_ROWS_TYPE(KL_Q3_K)
 KL_ROWS_TYPE(KL_IQ4_XS)
 
-typedef void (*kl_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, const float *, float *, int64_t, int64_t);
+typedef void (*kl_rows_fn)(const uint8_t *, int64_t, int64_t, const float *, const float *, float *, int64_t, int64_t,
+                           int64_t);
 static const kl_rows_fn kl_rows_table[3][4] = {
     {kl_rows_KL_Q2_K_1, kl_rows_KL_Q2_K_2, kl_rows_KL_Q2_K_3, kl_rows_KL_Q2_K_4},
     {kl_rows_KL_Q3_K_1, kl_rows_KL_Q3_K_2, kl_rows_KL_Q3_K_3, kl_rows_KL_Q3_K_4},
@@ -288,15 +299,27 @@ static void kl_rows_portable(int type, int64_t m, const uint8_t *w, int64_t row_
    are split evenly across the threads. */
 void poot_gemv_kl(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
                   float *y, int threads) {
-    if (type < 0 || type > 2) return;
+    if (type < 0 || type > 2 || m < 1) return;
+#if POOT_AVX2
+    /* Q2_K's one-row route takes its minimum terms from the sums of each 16 values of that row (the last one
+       when m % 4 == 1): nb * 64 bytes, 16 KB for rows of 65536 values. */
+    const int64_t single = (m - 1) / 4 * 4;
+    float xs16[type == KL_Q2_K && m % 4 == 1 ? nb * 16 : 1];
+    if (type == KL_Q2_K && m % 4 == 1)
+        for (int64_t i = 0; i < nb * 16; i++) {
+            float t = 0.0f;
+            for (int j = 0; j < 16; j++) t += x[single * nb * 256 + 16 * i + j];
+            xs16[i] = t;
+        }
+#endif
     #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t o0 = n * t / nt, o1 = n * (t + 1) / nt;
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
             const int64_t mm = m - r0 < 4 ? m - r0 : 4;
-#ifdef KL_AVX2
-            kl_rows_table[type][mm - 1](w, row_bytes, n, nb, x + r0 * nb * 256, y + r0 * n, o0, o1);
+#if POOT_AVX2
+            kl_rows_table[type][mm - 1](w, row_bytes, nb, x + r0 * nb * 256, xs16, y + r0 * n, n, o0, o1);
 #else
             kl_rows_portable(type, mm, w, row_bytes, n, nb, x + r0 * nb * 256, y + r0 * n, o0, o1);
 #endif
@@ -312,7 +335,7 @@ void poot_dequant_kl(int type, const uint8_t *w, int64_t row_bytes, int64_t rows
     for (int64_t o = 0; o < rows; o++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + o * row_bytes + b * kl_size[type];
-#ifdef KL_AVX2
+#if POOT_AVX2
             kl_block_store(type, blk, out + (o * nb + b) * 256);
 #else
             kl_block(type, blk, out + (o * nb + b) * 256);
