@@ -9,10 +9,12 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels
-from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS
+from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS, NATIVE_16, dense16_tiles, embed_rows, tile_rows
 
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
 
@@ -93,3 +95,40 @@ def test_16_bit_products_match_float64(build: str, half: bool) -> None:
         expect = x.astype(np.float64) @ wide.T
         bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(wide).T
         assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_prefill_tiles_match_float64(dtype: torch.dtype) -> None:
+    """Many rows of x against 16-bit weights: float32 tiles of the exactly widened weights (where the CPU has
+    no native 16-bit product; there oneDNN's is used and this route declines)."""
+    w = torch.randn(1100, 2048).to(dtype)  # tiles of 512 rows (4 MB of float32): two and a partial one
+    x = torch.randn(3, 7, 2048)
+    assert tile_rows(2048) == 512
+    y = dense16_tiles(x, w)
+    if y is None:
+        assert any(flag in c_kernels.cpu_flags() for flag in NATIVE_16[dtype])
+        pytest.skip("this CPU multiplies in 16 bits natively")
+    expect = x.double() @ w.double().T
+    assert y.shape == (3, 7, 1100) and y.dtype == torch.float32
+    assert ((y.double() - expect).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+@pytest.mark.parametrize("type_name", list(C_TYPES))
+def test_embedding_rows_are_the_dequantized_rows(type_name: str) -> None:
+    """The embedding lookup of a packed table (small models store it as Q5_0, Q6_K, Q8_0... and tie the head
+    to it) dequantizes only the picked rows, in C, bit for bit as gguf does; repeated tokens, one token, and
+    enough tokens for the parallel loop."""
+    if c_kernels.kernels() is None:
+        pytest.skip("the executor does not use the C kernels on this machine")
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    blocks = blocks_of(type_name, 50, 2 * block, seed=1)
+    ref = quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+    table = PackedWeight("gguf", (50, 2 * block), {"blocks": torch.from_numpy(blocks)}, {"type": type_name})
+    for tokens in ([7], [3, 3, 49, 0], list(range(49, 9, -3))):
+        out = embed_rows(table, torch.tensor(tokens))
+        assert out is not None
+        np.testing.assert_array_equal(out.numpy().view(np.uint32), ref[tokens].view(np.uint32))
+    with pytest.raises(IndexError, match="50"):
+        embed_rows(table, torch.tensor([2, 50]))
+    with pytest.raises(IndexError):
+        embed_rows(table, torch.tensor([-1]))

@@ -12,6 +12,7 @@ POOT_CPU_KERNELS=0, `kernels()` is None and every caller uses its torch route in
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -56,6 +57,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "poot_add_rms_norm": ([_p, _p, _p, _i64, _i64, _f32, _p, _p, _i32], None),
     "poot_rope": ([_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32], None),
     "poot_silu_mul": ([_p, _i64, _p, _i64, _i64, _i64, _p, _i32], None),
+    # gather.c: rows by index through one of the dequant functions above (its address first)
+    "poot_gather_rows": ([_p, _i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     # features.c
     "poot_features": ([], _i32),
 }
@@ -82,12 +85,22 @@ def compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-def _machine_key() -> str:
+@functools.cache
+def _cpuinfo_flags_line() -> str:
     try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is not there)."""
+    return frozenset(_cpuinfo_flags_line().partition(":")[2].split())
+
+
+def _machine_key() -> str:
+    return platform.machine() + _cpuinfo_flags_line()
 
 
 def sources(src_dir: Path) -> list[Path]:

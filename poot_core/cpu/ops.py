@@ -1,7 +1,8 @@
 """The CPU executor's ops, in plain torch, float32 activations.
 
 These are also the reference every other backend is compared with, so they favour clarity and exactness:
-dense 16-bit weights are multiplied in their own dtype (oneDNN accumulates in float32), packed weights go
+dense 16-bit weights are multiplied as the float32 product of their exact values (or, where the CPU has a
+native 16-bit product, in their own dtype: oneDNN accumulates in float32), packed weights go
 through poot_core.cpu.packed_linear, and everything between matmuls is float32.
 """
 
@@ -29,11 +30,14 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
 
 def linear16(x: torch.Tensor, w: torch.Tensor, x16: torch.Tensor | None = None) -> torch.Tensor:
     """float32 x @ W^T for a bf16/f16 W. A few rows (decode) go through the C kernel, which widens each weight
-    exactly and sums in float32 at the 16-bit weights' memory cost; more rows (prefill) through oneDNN's 16-bit
-    product on x rounded to W's dtype (`x16`, when the caller already has it)."""
-    from poot_core.cpu.packed_linear import dense16_gemv
+    exactly and sums in float32 at the 16-bit weights' memory cost; more rows (prefill) through float32 tiles of
+    the widened weights, or, on a CPU with a native product in W's dtype, oneDNN's 16-bit product on x rounded
+    to W's dtype (`x16`, when the caller already has it)."""
+    from poot_core.cpu.packed_linear import dense16_gemv, dense16_tiles
 
     y = dense16_gemv(x, w)
+    if y is None:
+        y = dense16_tiles(x, w)
     if y is not None:
         return y
     return F.linear(x.to(w.dtype) if x16 is None else x16, w).float()
@@ -43,10 +47,13 @@ def embed(table: Weight, tokens: torch.Tensor) -> torch.Tensor:
     flat = tokens.reshape(-1)
     if isinstance(table, PackedWeight):
         from poot_core.checkpoint.quant import dequantize
+        from poot_core.cpu.packed_linear import embed_rows
 
-        parts = {k: v[flat] for k, v in table.parts.items()}
-        rows = PackedWeight(table.layout, (flat.numel(), table.shape[1]), parts, table.meta)
-        out = dequantize(rows)
+        out = embed_rows(table, flat)
+        if out is None:
+            parts = {k: v[flat] for k, v in table.parts.items()}
+            rows = PackedWeight(table.layout, (flat.numel(), table.shape[1]), parts, table.meta)
+            out = dequantize(rows)
     else:
         out = table[flat].float()
     return out.reshape(*tokens.shape, -1)

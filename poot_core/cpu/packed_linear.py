@@ -1,16 +1,18 @@
 """x @ W^T for a packed W, computed from the packed bytes, never from a float copy of the whole matrix.
 
 Routes:
-- GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K: a small C kernel, built once per machine with the system C
-  compiler and cached, reads the memory-mapped blocks directly. For a few rows (decode) Q4_0/Q4_1/Q8_0 compute
-  y = sum_b d_b * (q_b . x_b) + m_b * sum(x_b) per output row with AVX-512 (float32), and the K-quants decode
-  each 256-value super-block to floats in L1 and dot it; for many rows (prefill) tiles of rows are dequantized
-  into a reused float32 buffer for torch's matmul.
+- the GGUF block types of C_TYPES (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, the K-quants, IQ4_XS): a C kernel,
+  built once per machine with the system C compiler and cached, reads the memory-mapped blocks directly. For a
+  few rows (decode) it computes y = sum_b d_b * (c_b . x_b) + m_b * sum(x_b) per output row in float32 (AVX-512
+  or AVX2), decoding each block's codes once for all rows; for many rows (prefill) tiles of rows are
+  dequantized, exactly, into a reused float32 buffer for torch's matmul. The embedding lookup (embed_rows)
+  dequantizes only the picked rows through the same kernels.
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
-Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c (Q2_K,
-Q3_K, IQ4_XS) and dense16.c, built by poot_core.cpu.c_kernels.
+Dense bf16/f16 weights (dense16_gemv, dense16_tiles) follow the same two routes from their exactly widened
+values. Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c,
+dense16.c and gather.c, built by poot_core.cpu.c_kernels.
 
 `fast=True` is an explicit, less exact option for the 4-bit GGUF types with an affine form (Q4_0, Q4_1, Q4_K):
 their codes are re-laid once, losslessly, into torch's packed int4 CPU format (same 4 bits per weight) and the
@@ -31,7 +33,7 @@ import torch
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
 from poot_core.checkpoint.quant import gguf_blocks as gb
-from poot_core.cpu.c_kernels import kernels
+from poot_core.cpu.c_kernels import cpu_flags, kernels
 
 TILE_BYTES = 4 << 20
 # Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
@@ -78,6 +80,7 @@ class _Plan:
 
     gemv: Callable[..., None]
     dequant: Callable[..., None]
+    dequant_address: int
     type_id: int
     address: int
     row_bytes: int
@@ -115,8 +118,10 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
     if plan is None:
         blocks, kind = w.parts["blocks"], C_TYPES[w.meta["type"]]
         elements = gb.BLOCK_SIZES[w.meta["type"]][0]
-        plan = _Plan(getattr(lib, kind.gemv), getattr(lib, kind.dequant), kind.type_id, blocks.data_ptr(),
-                     blocks.stride(0), w.shape[0], w.shape[1] // elements, w.shape[1])
+        dequant = getattr(lib, kind.dequant)
+        plan = _Plan(getattr(lib, kind.gemv), dequant, ctypes.cast(dequant, ctypes.c_void_p).value or 0,
+                     kind.type_id, blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements,
+                     w.shape[1])
         _plans[w] = plan
     return plan
 
@@ -145,6 +150,27 @@ def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor |
     return product
 
 
+def embed_rows(table: PackedWeight, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The rows `tokens` (int, any shape) of a packed table as float32 [tokens.numel(), in], dequantized by the C
+    kernel straight from the blocks (the token embedding lookup); None where the C kernel does not read this
+    table, and the caller dequantizes the picked rows with torch. IndexError for a token outside the table."""
+    lib = kernels()
+    if lib is None or not (table in _plans or uses_c_kernel(table)):
+        return None
+    plan = _plan(table, lib)
+    index = tokens.reshape(-1).to(torch.int64).contiguous()
+    count = index.numel()
+    if count:
+        low, high = (min(v := index.tolist()), max(v)) if count <= 16 else (int(index.min()), int(index.max()))
+        if low < 0 or high >= plan.out_features:
+            raise IndexError(f"token {low if low < 0 else high} is outside the embedding table of "
+                             f"{plan.out_features} rows")
+    out = torch.empty(count, plan.in_features)
+    lib.poot_gather_rows(plan.dequant_address, plan.type_id, plan.address, plan.row_bytes, plan.blocks_per_row,
+                         plan.in_features, index.data_ptr(), count, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """float32 x [..., k] (at most FUSED_MAX_ROWS rows) @ W^T for a bf16/f16 W [n, k] with unit column stride,
     computed as the float32 product (weights widened exactly in registers); None where the C kernels are not
@@ -160,6 +186,31 @@ def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     lib.poot_gemv16(w.data_ptr(), w.stride(0), n, k, flat.data_ptr(), flat.shape[0], y.data_ptr(),
                     int(w.dtype == torch.float16), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], n)
+
+
+# CPU flags of a native matrix product in each 16-bit type: with one, oneDNN's 16-bit product is the prefill
+# route; without, it converts internally and is slower (3x on an AVX2 machine) than float32 tiles.
+NATIVE_16 = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def dense16_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """float32 x [..., k] @ W^T for a bf16/f16 W [n, k] as the float32 product: tiles of W's rows widened
+    exactly into a reused float32 buffer, each multiplied by torch's float32 matmul. None where the CPU has a
+    native product in W's dtype (the caller uses oneDNN's) or W is not such a matrix."""
+    if w.dim() != 2 or w.dtype not in NATIVE_16 or x.dtype != torch.float32:
+        return None
+    if any(flag in cpu_flags() for flag in NATIVE_16[w.dtype]):
+        return None
+    n, k = w.shape
+    flat = x.reshape(-1, k)
+    tile = min(n, tile_rows(k))
+    buffer = torch.empty(tile, k)
+    out = torch.empty(flat.shape[0], n)
+    for start in range(0, n, tile):
+        rows = min(tile, n - start)
+        buffer[:rows].copy_(w[start : start + rows])
+        out[:, start : start + rows] = flat @ buffer[:rows].T
+    return out.reshape(*x.shape[:-1], n)
 
 
 def tile_rows(in_features: int) -> int:
