@@ -4,7 +4,8 @@ Everything a user or a plugin author needs is importable from here; plugins use 
 poot_core but this module, poot_core.errors and poot_core.graph (the traced step and its shared passes).
 """
 
-from poot_core.checkpoint.handle import LoadOptions, ModelHandle, WeightStore
+from poot_core.blocks import AttentionSpec, attention_block, gated_mlp, projection
+from poot_core.checkpoint.handle import LoadOptions, ModelHandle, Parts, WeightStore
 from poot_core.checkpoint.integrity import Manifest
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
 from poot_core.driver.core import (
@@ -41,12 +42,13 @@ from poot_core.executor import (
     open_executor,
     require_ops,
 )
-from poot_core.family import Family, ModelConfig
+from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig
+from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_tensor
 from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
 from poot_core.moe import Expert, choose_experts, expert_view, experts_of
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
-from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_hf_config
+from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_gguf, rope_from_hf_config
 
 __version__ = "0.1.0"
 

@@ -8,12 +8,17 @@ says which stored tensor names it reads, and writes the model once as a function
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from poot_core.errors import Reason, Unsupported
 
 if TYPE_CHECKING:
+    import torch
+
+    from poot_core.checkpoint.layouts import Weight
     from poot_core.graph import StepShape, Tracer
 
 
@@ -33,6 +38,33 @@ class ModelConfig:
     params: Any = None
     source_format: str = "hf"  # "hf" or "gguf"
     raw: dict[str, Any] = field(default_factory=dict)
+
+
+class GGUFTensors(Protocol):
+    """The tensors of a GGUF file, by llama.cpp's names, as a family sees them while it reads the file."""
+
+    @property
+    def path(self) -> Path:
+        """The file, for error messages."""
+        ...
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The torch-order shape (llama.cpp lists dimensions the other way round)."""
+        ...
+
+    def stored(self, name: str) -> Weight:
+        """The tensor as stored: a zero-copy tensor for dense types, a PackedWeight for block types."""
+        ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """Its exact values in float32 (dequantized): for the small tensors a config needs (rope_freqs)."""
+        ...
+
+
+# A weight a family builds from several stored tensors: how to make it (lazily), and its shape.
+DerivedWeight = tuple[Callable[[], "Weight"], tuple[int, ...]]
 
 
 class Family(ABC):
@@ -60,12 +92,20 @@ class Family(ABC):
         raise Unsupported(Reason.REGISTRY, f"{self.name} from a Hugging Face checkpoint",
                           "this family reads no Hugging Face configs")
 
-    def config_from_gguf(self, metadata: dict[str, Any]) -> ModelConfig:
+    def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:
+        """The config of the GGUF file at `path` (named in errors) from its metadata and, where llama.cpp
+        stores parameters as tensors (rope_freqs), its tensors. A key that changes the computation and that
+        the family does not understand is refused by name (poot_core.GGUFKeys.refuse_unread)."""
         raise Unsupported(Reason.REGISTRY, f"{self.name} from a GGUF file", "this family reads no GGUF files")
 
     def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
-        """Map a llama.cpp tensor name to the name `trace` uses (None: not used)."""
+        """Map a llama.cpp tensor name to the name `trace` uses; None for a tensor the config already read
+        or a derived weight is made from. A name the family does not know is refused (poot_core.GGUFNames)."""
         return name
+
+    def gguf_derived_weights(self, config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
+        """Weights `trace` reads that the file stores split differently (DeepSeek's attn_k_b/attn_v_b)."""
+        return {}
 
     @abstractmethod
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:

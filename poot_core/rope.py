@@ -1,4 +1,5 @@
-"""Rotary position frequencies, with the scalings Hugging Face configs name (linear, llama3, yarn).
+"""Rotary position frequencies, with the scalings Hugging Face configs name (linear, llama3, yarn) and the
+per-frequency factors llama.cpp's converter stores as a `rope_freqs` tensor instead of llama3's parameters.
 
 Public so every backend computes exactly the reference's frequencies instead of keeping its own copy.
 """
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from poot_core.errors import Reason, Unsupported
+
+if TYPE_CHECKING:
+    from poot_core.family import GGUFTensors
+    from poot_core.family_gguf import GGUFKeys
 
 
 @lru_cache(maxsize=64)
@@ -35,8 +40,15 @@ def inverse_frequencies(theta: float, dim: int, scaling_items: tuple[tuple[str, 
         inv = inv / scaling["factor"]
     elif kind == "yarn":
         inv = _yarn(inv, theta, dim, scaling)
+    elif kind == FREQ_FACTORS:  # llama.cpp's rope_freqs: each frequency divided by its factor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.numel() != inv.numel():
+            raise Unsupported(Reason.SHAPE, f"{factors.numel()} rope frequency factors",
+                              f"the rope has {inv.numel()} frequencies")
+        inv = inv / factors
     elif kind not in (None, "default"):
-        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", "known: default, linear, llama3, yarn")
+        raise Unsupported(Reason.OPERATION, f"rope scaling {kind}",
+                          f"known: default, linear, llama3, yarn, {FREQ_FACTORS}")
     return inv
 
 
@@ -77,6 +89,7 @@ def rope_attention_factor(scaling: dict[str, Any]) -> float:
 
 
 SCALINGS = ("linear", "llama3", "yarn")
+FREQ_FACTORS = "freq_factors"
 
 
 def rope_from_hf_config(hf: dict[str, Any], layer_type: str = "full_attention") -> tuple[float, dict[str, Any]]:
@@ -98,7 +111,49 @@ def rope_from_hf_config(hf: dict[str, Any], layer_type: str = "full_attention") 
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return theta, {}
-    if kind not in SCALINGS:
+    if kind not in SCALINGS and kind != FREQ_FACTORS:  # the latter: a GGUF config translated to this form
         raise Unsupported(Reason.OPERATION, f"rope scaling {kind}", f"{hf.get('model_type')} config; "
                           f"poot computes {', '.join(SCALINGS)}")
+    return theta, scaling
+
+
+def rope_from_gguf(keys: GGUFKeys, tensors: GGUFTensors) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling) of a GGUF file, in the Hugging Face form `inverse_frequencies` takes, read the way
+    llama.cpp reads it: `rope.freq_base`; `rope.scaling.type` (absent with a factor means linear) with its
+    factor, YaRN's original context, betas and attention factor; and the `rope_freqs` tensor of
+    per-frequency factors (llama3 scaling as the converter writes it). Keys whose effect poot does not
+    compute are refused by name."""
+    theta = float(keys("rope.freq_base", 10000.0))
+    keys.understood("rope.scaling.finetuned")
+    factor = keys("rope.scaling.factor", None)
+    if factor is None:
+        factor = keys("rope.scale_linear", None)  # the older key
+    kind = str(keys("rope.scaling.type", "linear" if factor else "none"))
+    for name, neutral in (("rope.scaling.attn_factor", 1.0), ("rope.scaling.yarn_ext_factor", 1.0)):
+        value = keys(name, neutral)
+        if float(value) != neutral:
+            raise Unsupported(Reason.OPERATION, f"GGUF metadata {keys.key(name)} = {value}",
+                              "poot's rope computes the Hugging Face scalings, where this is always "
+                              f"{neutral}")
+    scaling: dict[str, Any] = {}
+    if kind == "linear" and factor and float(factor) != 1.0:
+        scaling = {"rope_type": "linear", "factor": float(factor)}
+    elif kind == "yarn":
+        original = keys("rope.scaling.original_context_length", None)  # llama.cpp: else the context length
+        scaling = {"rope_type": "yarn", "factor": float(factor or 1.0),
+                   "original_max_position_embeddings": int(original or keys("context_length"))}
+        for name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_attn_factor", "attention_factor")):
+            value = keys(f"rope.scaling.{name}", None)
+            if value is not None:
+                scaling[hf_name] = float(value)
+    elif kind not in ("none", "linear"):
+        raise Unsupported(Reason.OPERATION, f"GGUF rope scaling {kind!r} ({keys.key('rope.scaling.type')})",
+                          "poot computes none, linear, yarn and the rope_freqs tensor")
+    if "rope_freqs.weight" in tensors.names():
+        if scaling:
+            raise Unsupported(Reason.OPERATION, f"rope_freqs together with {kind} rope scaling",
+                              "poot applies per-frequency factors only to the plain rope")
+        values = tensors.read("rope_freqs.weight").reshape(-1)
+        scaling = {"rope_type": FREQ_FACTORS, "factors": tuple(float(v) for v in values)}
     return theta, scaling

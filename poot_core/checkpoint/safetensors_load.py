@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from poot_core.checkpoint.handle import WeightStore
 from poot_core.checkpoint.integrity import FileAccess
+from poot_core.checkpoint.parts import WeightStore
 from poot_core.errors import CheckpointError
 
 # Suffixes that mark a quantized layer's parts; the layer prefix is what comes before them.

@@ -1,35 +1,38 @@
 """poot-family-moe's entry point: mixtral, qwen2_moe, qwen3_moe, deepseek_v2 and deepseek_v3, from Hugging
-Face checkpoints or GGUF files (llama.cpp's names, stacked `ffn_*_exps` experts)."""
+Face checkpoints or GGUF files (llama.cpp's names: stacked `ffn_*_exps` experts or the older per-expert
+`ffn_*.E`, DeepSeek's latent attention as one `attn_kv_b` or split into `attn_k_b`/`attn_v_b`)."""
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
 from typing import Any
 
-from poot_core import CheckpointError, Family, ModelConfig, StepShape, Tracer, hookimpl
+from poot_core import (
+    DerivedWeight,
+    Family,
+    GGUFKeys,
+    GGUFNames,
+    GGUFTensors,
+    ModelConfig,
+    StepShape,
+    Tracer,
+    hookimpl,
+    split_gguf_name,
+    unknown_tensor,
+)
 from poot_family_moe.config import MoeParams, params_from_hf
+from poot_family_moe.gguf import gguf_hf_config, joined_kv_b
 from poot_family_moe.model import trace_moe
 
-# llama.cpp per-block names -> ours ("{moe}" is the experts' prefix: "mlp" or mixtral's "block_sparse_moe";
-# "{shared}" the shared expert's: qwen2_moe "shared_expert", deepseek "shared_experts").
-GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+# llama.cpp's per-block names beyond the shared ones ("{moe}" is the experts' prefix: "mlp" or mixtral's
+# "block_sparse_moe"; "{shared}" the shared expert's: qwen2_moe "shared_expert", deepseek "shared_experts").
+GGUF_NAMES = GGUFNames().extended({
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_b": "self_attn.q_b_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "{moe}.gate",
     "exp_probs_b": "{moe}.gate.e_score_correction_bias",
     "ffn_gate_exps": "{moe}.experts.gate_exps",
@@ -39,11 +42,11 @@ GGUF_BLOCK_NAMES = {
     "ffn_up_shexp": "{moe}.{shared}.up_proj",
     "ffn_down_shexp": "{moe}.{shared}.down_proj",
     "ffn_gate_inp_shexp": "{moe}.shared_expert_gate",
-}
-GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK = re.compile(r"blk\.(\d+)\.([a-z_.]+)\.(weight|bias)$")
-# GGUF architecture -> the Hugging Face model_type whose conventions its file follows.
-GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama:moe": "mixtral"}
+})
+# DeepSeek's latent attention split for llama.cpp's absorbed form; poot joins them into kv_b (derived weight).
+SPLIT_KV_B = ("attn_k_b", "attn_v_b")
+# The older per-expert tensors, blk.N.ffn_gate.E.weight: which of the three projections each is.
+PER_EXPERT = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}
 
 
 class MoeDecoder(Family):
@@ -53,125 +56,55 @@ class MoeDecoder(Family):
             model_type = self.model_type
         p = params_from_hf(hf, model_type)
         arch = (hf.get("architectures") or [model_type])[0]
-        return _model_config(
-            p.model_type,
-            arch,
-            p,
-            int(hf["vocab_size"]),
-            int(hf.get("max_position_embeddings", 2048)),
-            hf.get("eos_token_id"),
-            hf.get("bos_token_id"),
-            "hf",
-            hf,
-        )
+        return _model_config(p.model_type, arch, p, int(hf["vocab_size"]), int(hf.get("max_position_embeddings", 2048)),
+                             hf.get("eos_token_id"), hf.get("bos_token_id"), "hf", hf)
 
-    def config_from_gguf(self, meta: dict[str, Any]) -> ModelConfig:
-        arch = str(meta.get("general.architecture", ""))
-        if arch == "llama" and meta.get("llama.expert_count"):
-            arch = "llama:moe"  # llama.cpp names mixtral "llama"; its expert count sets it apart
-        prefix = "llama" if arch == "llama:moe" else arch
-        where = meta.get("__path__", "gguf")
-
-        def key(name: str, default: Any = ...) -> Any:
-            value = meta.get(f"{prefix}.{name}")
-            if value is None:
-                if default is ...:
-                    raise CheckpointError(where, f"missing metadata {prefix}.{name}")
-                return default
-            return value[0] if isinstance(value, list) and value else value
-
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        layers = int(key("block_count"))
-        hf: dict[str, Any] = {
-            "num_hidden_layers": layers,
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-            "intermediate_size": int(key("feed_forward_length", 0)),
-            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(key("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(key("context_length", 2048)),
-            "vocab_size": int(key("vocab_size", 0) or len(meta.get("tokenizer.ggml.tokens", []))),
-            "num_experts_per_tok": int(key("expert_used_count")),
-            "moe_intermediate_size": int(key("expert_feed_forward_length", 0)),
-        }
-        experts = int(key("expert_count"))
-        if arch == "deepseek2":
-            sigmoid = int(key("expert_gating_func", 1)) == 2
-            model_type = "deepseek_v3" if sigmoid else "deepseek_v2"
-            rope_dim = int(key("rope.dimension_count"))
-            q_rank = int(key("attention.q_lora_rank", 0))
-            groups = int(key("expert_group_count", 1))
-            hf.update(
-                {
-                    "n_routed_experts": experts,
-                    "q_lora_rank": q_rank or None,
-                    "kv_lora_rank": int(key("attention.kv_lora_rank")),
-                    "qk_rope_head_dim": rope_dim,
-                    "qk_nope_head_dim": int(key("attention.key_length")) - rope_dim,
-                    "v_head_dim": int(key("attention.value_length")),
-                    "n_shared_experts": int(key("expert_shared_count", 0)),
-                    "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
-                    "norm_topk_prob": bool(key("expert_weights_norm", sigmoid)),
-                    "n_group": groups,
-                    "topk_group": int(key("expert_group_used_count", 1)),
-                    "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
-                    "first_k_dense_replace": int(key("leading_dense_block_count", 0)),
-                    "num_nextn_predict_layers": int(key("nextn_predict_layers", 0)),
-                }
-            )
-        else:
-            model_type = GGUF_MODEL_TYPES.get(arch)
-            if model_type is None:
-                raise CheckpointError(where, f"family {self.name} does not read GGUF architecture {arch!r}")
-            hf.update(
-                {
-                    "num_experts": experts,
-                    "num_local_experts": experts,
-                    "shared_expert_intermediate_size": int(key("expert_shared_feed_forward_length", 0)),
-                    "norm_topk_prob": bool(key("expert_weights_norm", model_type != "qwen2_moe")),
-                }
-            )
-            if model_type == "mixtral":
-                hf["intermediate_size"] = hf["intermediate_size"] or hf["moe_intermediate_size"]
-            head_dim = key("attention.key_length", None)
-            if head_dim:
-                hf["head_dim"] = int(head_dim)
+    def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:
+        arch = str(metadata.get("general.architecture", ""))
+        # llama.cpp names mixtral "llama"; its expert count sets it apart
+        prefix, arch = (arch, "llama:moe") if arch == "llama" and metadata.get("llama.expert_count") else (arch, arch)
+        keys = GGUFKeys(metadata, path, prefix, self.name)
+        hf, model_type = gguf_hf_config(keys, tensors, arch, self.name)
         p = params_from_hf(hf, model_type)
         if model_type == "mixtral":
             p.rope_style = "interleaved"  # llama.cpp's converter permuted q/k rows for its rope layout
-        return _model_config(
-            p.model_type,
-            arch,
-            p,
-            hf["vocab_size"],
-            hf["max_position_embeddings"],
-            meta.get("tokenizer.ggml.eos_token_id"),
-            meta.get("tokenizer.ggml.bos_token_id"),
-            "gguf",
-            meta,
-        )
+        keys.refuse_unread()
+        return _model_config(p.model_type, arch, p, hf["vocab_size"], hf["max_position_embeddings"],
+                             metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.ggml.bos_token_id"),
+                             "gguf", metadata)
 
     def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
         p: MoeParams = config.params
-        match = BLOCK.match(name)
-        if match:
-            layer, part, kind = match.groups()
-            mapped = GGUF_BLOCK_NAMES.get(part)
-            if int(layer) >= p.layers:  # DeepSeek V3's next-token-prediction layers: kept, not traced
-                return f"model.layers.{layer}.{mapped or part}.{kind}"
-            if mapped is None:
-                return None
-            shared = "shared_expert" if p.routing.shared_gate else "shared_experts"
-            full = f"model.layers.{layer}.{mapped.format(moe=p.moe_prefix, shared=shared)}"
-            return full if part == "exp_probs_b" else f"{full}.{kind}"  # the HF name has no .weight/.bias
-        stem, _, kind = name.rpartition(".")
-        top = GGUF_TOP_NAMES.get(stem)
-        return f"{top}.{kind}" if top else None
+        layer, part, kind = split_gguf_name(name)
+        if layer is not None and layer >= p.layers:  # DeepSeek V3's next-token-prediction layers: kept, not traced
+            return f"model.layers.{layer}.{part}.{kind}"
+        if part in SPLIT_KV_B:
+            return None
+        stem, _, expert = part.rpartition(".")
+        if layer is not None and stem in PER_EXPERT and expert.isdigit():
+            return f"model.layers.{layer}.{p.moe_prefix}.experts.{expert}.{p.expert_names[PER_EXPERT[stem]]}.{kind}"
+        shared = "shared_expert" if p.routing.shared_gate else "shared_experts"
+        mapped = GGUF_NAMES.map(name, self.name, moe=p.moe_prefix, shared=shared)
+        if part == "exp_probs_b" and mapped is not None:
+            return mapped.rpartition(".")[0]  # the Hugging Face name has no .weight/.bias
+        return mapped
+
+    def gguf_derived_weights(self, config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
+        p: MoeParams = config.params
+        present = set(tensors.names())
+        derived: dict[str, DerivedWeight] = {}
+        for layer in range(p.layers):
+            k_b, v_b = (f"blk.{layer}.{part}.weight" for part in SPLIT_KV_B)
+            if k_b not in present and v_b not in present:
+                continue
+            if p.latent is None or k_b not in present or v_b not in present:
+                raise unknown_tensor(k_b if k_b in present else v_b, self.name)
+            name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+            derived[name] = joined_kv_b(tensors, k_b, v_b, p.heads, p.latent)
+        return derived
 
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        trace_moe(config, t, shape)
+        trace_moe(config, t)
 
 
 def _eos(value: Any) -> tuple[int, ...]:

@@ -1,0 +1,74 @@
+"""What a checkpoint loader is given and what it returns.
+
+The loaders (`hf_load`, `gguf_load`) take a path, the registry and `LoadOptions` and return the `Parts` of a
+checkpoint; `ModelHandle.load` picks the loader and builds the handle from them. Nothing here imports a
+loader or the handle, so the layers only point one way: handle -> loaders -> parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poot_core.checkpoint.integrity import Manifest
+from poot_core.checkpoint.layouts import Weight, weight_nbytes
+from poot_core.family import Family, ModelConfig
+
+
+@dataclass
+class LoadOptions:
+    """integrity: a Manifest (or a path to its JSON) every file the load reads must match.
+    progress: show a progress bar on stderr while verifying large files (None: when stderr is a terminal)."""
+
+    integrity: Manifest | str | Path | None = None
+    progress: bool | None = None
+
+    def manifest(self) -> Manifest | None:
+        if self.integrity is None or isinstance(self.integrity, Manifest):
+            return self.integrity
+        return Manifest.load(self.integrity)
+
+
+class WeightStore:
+    """Named weights as stored, produced lazily (memory-mapped) and cached by name."""
+
+    def __init__(self, loaders: dict[str, Callable[[], Weight]], shapes: dict[str, tuple[int, ...]]) -> None:
+        self._loaders = loaders
+        self._shapes = shapes
+        self._cache: dict[str, Weight] = {}
+
+    def names(self) -> list[str]:
+        return list(self._loaders)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loaders
+
+    def get(self, name: str) -> Weight:
+        w = self._cache.get(name)
+        if w is None:
+            w = self._cache[name] = self._loaders[name]()
+        return w
+
+    def nbytes(self) -> int:
+        return sum(weight_nbytes(self.get(n)) for n in self._loaders)
+
+
+@dataclass
+class Parts:
+    """A checkpoint as a loader opened it: its family and config, text services, weights, and the files read
+    (relative names, in the order they were read)."""
+
+    path: Path
+    family: Family
+    config: ModelConfig
+    text: Any
+    store: WeightStore
+    files: list[str]
+
+
+__all__ = ["LoadOptions", "Parts", "WeightStore"]
