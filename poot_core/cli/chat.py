@@ -173,6 +173,10 @@ class Conversation:
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _count(messages: list[Any]) -> str:
+    return f"{len(messages)} message{'' if len(messages) == 1 else 's'}"
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -215,7 +219,8 @@ class Terminal:
     def banner(self) -> None:
         c, loaded = self.chat, self.chat.loaded
         cfg = loaded.config
-        print(f"poot {version()}: {Path(c.args.model).name} ({cfg.family}, {cfg.architecture}) on "
+        kind = cfg.family if cfg.family == cfg.architecture else f"{cfg.family}, {cfg.architecture}"
+        print(f"poot {version()}: {Path(c.args.model).name} ({kind}) on "
               f"{loaded.executor.name}, context {loaded.ctx} of {cfg.max_positions}, loaded in "
               f"{loaded.load_seconds:.1f} s", file=sys.stderr)
         print("Enter sends a turn; end a line with \\ to continue it. Ctrl-C stops a reply; Ctrl-D or /exit quits; "
@@ -277,10 +282,10 @@ class Terminal:
                 print(f"{name} needs a file name: {name} FILE", file=sys.stderr, flush=True)
             elif name == "/save":
                 self.chat.save(rest)
-                print(f"[saved {len(self.chat.messages)} messages to {rest}]", file=sys.stderr, flush=True)
+                print(f"[saved {_count(self.chat.messages)} to {rest}]", file=sys.stderr, flush=True)
             elif name == "/load":
                 self.chat.load(rest)
-                print(f"[loaded {len(self.chat.messages)} messages from {rest}]", file=sys.stderr, flush=True)
+                print(f"[loaded {_count(self.chat.messages)} from {rest}]", file=sys.stderr, flush=True)
             else:
                 print(("" if name == "/help" else f"unknown command {name}; ") + HELP, file=sys.stderr, flush=True)
         except RequestError as exc:
