@@ -6,9 +6,10 @@
    (at most 24 significant bits), so the order of those products does not matter, and Q2_K's "- min" is one
    rounding, as in ggml. Sums are float32. With AVX2 a block is decoded eight weights at a time in registers:
    Q2_K and Q3_K codes index a table of eight floats that already carries the 16-value group's scale (one
-   permute gives eight weights); IQ4_XS codes go through the code book as bytes, and each 32 of them times x
-   is summed before its scale. Up to four rows of x share one decode of each block (decode steps); prefill
-   dequantizes tiles of rows into a float32 buffer for torch's matmul (poot_dequant_kl). */
+   permute gives eight weights; Q2_K with one row of x scales each group's q . x instead); IQ4_XS codes go
+   through the code book as bytes, and each 32 of them times x is summed before its scale. Up to four rows of
+   x share one decode of each block (decode steps); prefill dequantizes tiles of rows into a float32 buffer
+   for torch's matmul (poot_dequant_kl). Without AVX2 a portable route dequantizes each block, then dots. */
 #include "common.h"
 
 enum { KL_Q2_K = 0, KL_Q3_K = 1, KL_IQ4_XS = 2 };
@@ -16,6 +17,7 @@ static const int64_t kl_size[3] = {84, 110, 136};
 /* The non-linear 4-bit code book of IQ4_NL / IQ4_XS. */
 static const int8_t kl_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+#if !POOT_AVX2
 /* The 16 signed 6-bit scales of a Q3_K block (12 bytes at s): low nibbles from bytes 0-7 (low nibbles first,
    then high), top two bits from bytes 8-11 (scale g takes bits 2 * (g / 4) of byte 8 + g % 4). */
 static inline int kl_q3_scale(const uint8_t *s, int g) {
@@ -30,7 +32,6 @@ static inline int kl_iq4_scale(const uint8_t *b, int ib) {
     return (((b[4 + ib / 2] >> (4 * (ib & 1))) & 15) | (hi << 4)) - 32;
 }
 
-#if !POOT_AVX2
 /* One block dequantized into v[256] (the route without AVX2). */
 static void kl_block(int type, const uint8_t *b, float *v) {
     if (type == KL_Q2_K) { /* scales[16] (scale | min << 4), qs[64], d, dmin */
@@ -134,8 +135,8 @@ KL_INLINE void kl_q2k(const int m, const uint8_t *b, kl_sink *s) {
         }
 }
 
-/* The 16 scales of a Q3_K block times d, into dl: kl_q3_scale for all g at once, the six bits of each put
-   together in one 64-bit word per eight scales. */
+/* The 16 scales of a Q3_K block times d, into dl (the portable route's kl_q3_scale for all g at once): the
+   six bits of each put together in one 64-bit word per eight scales. */
 static inline void kl_q3_scales(const uint8_t *b, float *dl) {
     uint64_t lo;
     uint32_t u;
@@ -199,7 +200,8 @@ KL_INLINE void kl_iq4xs(const int m, const uint8_t *b, kl_sink *s) {
     uint32_t sl;
     memcpy(&sl, b + 4, 4);
     const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(b[2] | (b[3] << 8)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(b[2] | (b[3] << 8)),
+                                         _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
     const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
                                        _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
     float dl[8] __attribute__((aligned(32)));
