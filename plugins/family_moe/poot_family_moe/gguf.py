@@ -86,10 +86,10 @@ def _deepseek(keys: GGUFKeys, hf: dict[str, Any], experts: int, scaling: dict[st
         "first_k_dense_replace": int(keys("leading_dense_block_count", 0)),
         "num_nextn_predict_layers": int(keys("nextn_predict_layers", 0)),
     })
-    log_mul = keys("rope.scaling.yarn_log_mul", None)
+    log_mul = keys("rope.scaling.yarn_log_multiplier", None)
     if log_mul is not None:
         if scaling.get("rope_type") != "yarn":
-            raise Unsupported(Reason.OPERATION, f"{keys.key('rope.scaling.yarn_log_mul')} without YaRN rope")
+            raise Unsupported(Reason.OPERATION, f"{keys.key('rope.scaling.yarn_log_multiplier')} without YaRN rope")
         # The converter stores 0.1 * mscale_all_dim; llama.cpp takes mscale equal to it (it is not stored).
         scaling["mscale_all_dim"] = scaling["mscale"] = float(log_mul) / 0.1
     return "deepseek_v3" if sigmoid else "deepseek_v2"
