@@ -119,8 +119,21 @@ static float row_dot_q6k(const uint8_t *row, int64_t nb, const float *x) {
 
 /* Machines without AVX-512: 256-bit routes for up to 4 x rows. */
 #if POOT_AVX2 && !defined(__AVX512F__)
-/* The 32 codes of sub-block j of a Q4_K / Q5_K super-block as int8 lanes (0..15; 0..31 with Q5_K's fifth bit,
-   bit j of qh[l]). */
+/* The 32 codes of sub-block j of a Q4_K super-block as four vectors of 8 floats: q holds the 32 bytes of
+   nibbles it shares with its neighbour (sub-blocks 2c, 2c + 1: low and high nibbles), widened to 32-bit lanes
+   straight from memory. */
+static inline void q4k_floats(const __m256i *q, int j, __m256 *f) {
+    for (int i = 0; i < 4; i++)
+        f[i] = _mm256_cvtepi32_ps((j & 1) ? _mm256_srli_epi32(q[i], 4) : _mm256_and_si256(q[i], _mm256_set1_epi32(15)));
+}
+
+/* 32 bytes at p widened to four vectors of 8 32-bit lanes. */
+static inline void widen_bytes(const uint8_t *p, __m256i *v) {
+    for (int i = 0; i < 4; i++) v[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
+}
+
+/* The 32 codes of sub-block j of a Q5_K super-block as int8 lanes (0..31: the fifth bit is bit j of
+   qh[l]); measured faster for Q5_K than widening from memory as q4k_floats does. */
 static inline __attribute__((always_inline)) __m256i q45k_codes(const int type, const uint8_t *blk, int j) {
     __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (type == 3 ? 16 : 48) + 32 * (j / 2)));
     if (j & 1) q = _mm256_srli_epi16(q, 4);
@@ -184,11 +197,18 @@ static inline __attribute__((always_inline)) void rowsk256(const int type, const
                 }
         } else {
             const float d = f16(blk), dmin = f16(blk + 2);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 int sc, mn;
                 k_scale_min(blk + 4, j, &sc, &mn);
                 __m256 f[4];
-                widen_k(q45k_codes(type, blk, j), f);
+                if (type == 3) {
+                    if (!(j & 1)) widen_bytes(blk + 16 + 32 * (j / 2), q);
+                    q4k_floats(q, j, f);
+                } else {
+                    widen_k(q45k_codes(type, blk, j), f);
+                }
                 const __m256 dl = _mm256_set1_ps(d * (float)sc);
                 const float ml = dmin * (float)mn;
                 for (int r = 0; r < m; r++) {

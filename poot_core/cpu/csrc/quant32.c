@@ -96,45 +96,60 @@ static float row_dot512(int type, const uint8_t *row, int64_t nb, const float *x
 #endif
 
 #if POOT_AVX2
-/* Byte i of the result is 16 where bit i of the uint32 at p is set, else 0 (Q5's fifth bits, as ggml
-   spreads them: each byte picks its bit through an OR mask that leaves all ones only where the bit is set). */
-static inline __m256i fifth_bits(const uint8_t *p) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                                 0x0101010101010101, 0x0000000000000000));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                          _mm256_set1_epi64x(-1));
-    return _mm256_and_si256(set, _mm256_set1_epi8(16));
-}
-
-/* The 32 codes of one block as int8 lanes. 4-bit codes with an offset or a code book go through a 16-entry
-   byte table (one shuffle: the AVX2 form of the AVX-512 route's float permute). */
-static inline __attribute__((always_inline)) __m256i codes256(const int type, const uint8_t *b) {
+/* The 32 codes of one block as four vectors of 8 floats (values 0-7, 8-15, 16-23, 24-31). 4- and 5-bit codes
+   are widened straight from memory to 32-bit lanes (low nibble: & 15, high: >> 4), Q5's fifth bit shifted in
+   per lane; IQ4_NL's go through its 16-entry code book (a byte shuffle). With `raw`, Q4_0 and Q5_0 codes keep
+   their offset (8, 16): the product takes offset * d * sum(x) off instead. */
+static inline __attribute__((always_inline)) void codes_f32(const int type, const uint8_t *b, const int raw,
+                                                            __m256 *f) {
     const uint8_t *q = b + codes_at(type);
-    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)q);
-    const __m128i packed = _mm_loadu_si128((const __m128i *)q);
-    __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(15));
-    if (type == IQ4_NL)
-        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)), c);
-    if (type == Q4_0) return _mm256_sub_epi8(c, _mm256_set1_epi8(8));
-    if (type == Q5_0 || type == Q5_1) c = _mm256_or_si256(c, fifth_bits(q - 4));
-    if (type == Q5_0) c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
-    return c;
+    if (type == Q8_0) {
+        for (int i = 0; i < 4; i++)
+            f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
+        return;
+    }
+    if (type == IQ4_NL) {
+        const __m128i book = _mm_loadu_si128((const __m128i *)IQ4_VALUES), m15 = _mm_set1_epi8(15);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)q);
+        int8_t c[32] __attribute__((aligned(32)));
+        _mm_store_si128((__m128i *)c, _mm_shuffle_epi8(book, _mm_and_si128(packed, m15)));
+        _mm_store_si128((__m128i *)(c + 16), _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(packed, 4), m15)));
+        for (int i = 0; i < 4; i++)
+            f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * i))));
+        return;
+    }
+    const __m256i m15 = _mm256_set1_epi32(15);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+    __m256i v[4] = {_mm256_and_si256(a, m15), _mm256_and_si256(c, m15), _mm256_srli_epi32(a, 4),
+                    _mm256_srli_epi32(c, 4)};
+    if (type == Q5_0 || type == Q5_1) {
+        /* bit j of qh is value j's fifth bit: shifted 4 left first, lane j's shift by j leaves it at bit 4 */
+        uint32_t qh;
+        memcpy(&qh, q - 4, 4);
+        const __m256i lo = _mm256_set1_epi32((int)((qh & 0xffff) << 4));
+        const __m256i hi = _mm256_set1_epi32((int)((qh >> 16) << 4));
+        const __m256i s0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i s1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+        const __m256i bit = _mm256_set1_epi32(16);
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_srlv_epi32(lo, s0), bit));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_srlv_epi32(lo, s1), bit));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_srlv_epi32(hi, s0), bit));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srlv_epi32(hi, s1), bit));
+    }
+    const int offset = raw ? 0 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    for (int i = 0; i < 4; i++)
+        f[i] = _mm256_cvtepi32_ps(offset ? _mm256_sub_epi32(v[i], _mm256_set1_epi32(offset)) : v[i]);
 }
 
-/* The 32 int8 codes as four vectors of 8 floats (values 0-7, 8-15, 16-23, 24-31). */
-static inline void widen(__m256i c, __m256 *f) {
-    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
-    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+/* What a block adds per sum(x) when its codes are read raw: the minimum, or -offset * d. */
+static inline float raw_min(int type, const uint8_t *blk) {
+    return has_min(type) ? f16(blk + 2) : type == Q4_0 ? -8.0f * f16(blk) : type == Q5_0 ? -16.0f * f16(blk) : 0.0f;
 }
 
 /* One weight row times m x rows (m <= 4; both constants in each instantiation below): each block is decoded
-   once and dotted with every x row, y[r * n] = sum_b d_b * (c_b . x_rb) + m_b * sum(x_rb). */
+   once and dotted with every x row, y[r * n] = sum_b d_b * (c_b . x_rb) + m_b * sum(x_rb), with m_b the
+   minimum or, for raw Q4_0 / Q5_0 codes, -offset * d_b. */
 static inline __attribute__((always_inline)) void rows256(const int type, const int m, const uint8_t *row,
                                                           int64_t nb, const float *x, const float *xsum, float *y,
                                                           int64_t n) {
@@ -145,16 +160,16 @@ static inline __attribute__((always_inline)) void rows256(const int type, const 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * size;
         __m256 f[4];
-        widen(codes256(type, blk), f);
+        codes_f32(type, blk, 1, f);
         const __m256 d = _mm256_set1_ps(f16(blk));
-        const float mn = has_min(type) ? f16(blk + 2) : 0.0f;
+        const float mn = raw_min(type, blk);
         for (int r = 0; r < m; r++) {
             const float *xb = x + r * k + b * 32;
             const __m256 p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
             const __m256 q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24),
                                              _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
             acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(p, q), acc[r]);
-            if (has_min(type)) macc[r] += mn * xsum[r * nb + b];
+            if (type != Q8_0 && type != IQ4_NL) macc[r] += mn * xsum[r * nb + b];
         }
     }
     for (int r = 0; r < m; r++) y[r * n] = hsum8(acc[r]) + macc[r];
@@ -184,7 +199,7 @@ static void rows_dot256(int type, int m, const uint8_t *row, int64_t nb, const f
 /* One block, dequantized into dst[32]: d * c, or (d * c rounded) + m. */
 static inline __attribute__((always_inline)) void dequant256(const int type, const uint8_t *blk, float *dst) {
     __m256 f[4];
-    widen(codes256(type, blk), f);
+    codes_f32(type, blk, 0, f);
     const __m256 d = _mm256_set1_ps(f16(blk)), mn = _mm256_set1_ps(has_min(type) ? f16(blk + 2) : 0.0f);
     for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_mul_ps(d, f[i]);
