@@ -39,8 +39,8 @@ class AttentionSpec:
 def attention_block(t: Tracer, spec: AttentionSpec, prefix: str, layer: int, h: Value, positions: Value, *,
                     theta: float, scaling: dict[str, Any], window: int | None = None,
                     softcap: float | None = None) -> Value:
-    """q/k/v projections, optional q/k norms, rope, causal attention through layer `layer`'s KV state (the
-    step's capacity), and the output projection. h [R, T, D] -> [R, T, D]."""
+    """q/k/v projections, optional q/k norms, rope, causal attention through layer `layer`'s KV state, and
+    the output projection. h [R, T, D] -> [R, T, D]."""
     rows, tokens = h.shape[0], h.shape[1]
 
     def heads(name: str, count: int) -> Value:
@@ -52,8 +52,7 @@ def attention_block(t: Tracer, spec: AttentionSpec, prefix: str, layer: int, h: 
         k = t.rms_norm(k, t.weight(prefix + "k_norm.weight"), spec.norm_eps, spec.norm_offset)
     rope = {"theta": theta, "dim": spec.rotary_dim or spec.head_dim, "style": spec.rope_style, "scaling": scaling}
     q, k = t.rope(q, positions, **rope), t.rope(k, positions, **rope)
-    o = t.attention(q, k, v, positions, layer=layer, capacity=t.graph.shape.capacity, scale=spec.scale,
-                    window=window, softcap=softcap)  # [R, T, H, Dh]
+    o = t.attention(q, k, v, positions, layer=layer, scale=spec.scale, window=window, softcap=softcap)
     o = t.reshape(o, (rows, tokens, spec.heads * spec.head_dim))
     return projection(t, o, prefix + "o_proj")
 

@@ -77,11 +77,12 @@ class Tracer:
         return self.op("rope", (x, positions), x.shape, theta=theta, dim=dim, style=style,
                        scaling=dict(scaling or {}))
 
-    def attention(self, q: Value, k: Value, v: Value, positions: Value, *, layer: int, capacity: int,
-                  scale: float, window: int | None = None, softcap: float | None = None) -> Value:
+    def attention(self, q: Value, k: Value, v: Value, positions: Value, *, layer: int, scale: float,
+                  window: int | None = None, softcap: float | None = None, capacity: int | None = None) -> Value:
         """Causal attention through the layer's KV state: k, v [R, T, Hkv, Dh] of the new tokens are
         written at `positions`, then every query attends to the positions up to its own
-        (and within `window` of it, when set)."""
+        (and within `window` of it, when set). The state holds `capacity` positions, the step's by default."""
+        capacity = self.graph.shape.capacity if capacity is None else capacity
         rows, _, kv_heads, head_dim = k.shape
         kc = self.state(f"k{layer}", (rows, kv_heads, capacity, head_dim), "k")
         vc = self.state(f"v{layer}", (rows, kv_heads, capacity, v.shape[-1]), "v")
@@ -149,9 +150,9 @@ class Tracer:
                        group_score=group_score, act=act)
 
     def mla_attention(self, q: Value, kv: Value, positions: Value, kv_norm: Value, kv_b: Value, *, layer: int,
-                      capacity: int, scale: float, nope_dim: int, rope_dim: int, v_dim: int, eps: float,
-                      theta: float, style: str = "interleaved",
-                      scaling: dict[str, Any] | None = None) -> Value:
+                      scale: float, nope_dim: int, rope_dim: int, v_dim: int, eps: float, theta: float,
+                      style: str = "interleaved", scaling: dict[str, Any] | None = None,
+                      capacity: int | None = None) -> Value:
         """Multi-head latent attention (DeepSeek V2/V3), causal, through the layer's compressed KV state.
 
         q [R, T, H, nope_dim + rope_dim] (before rope); kv [R, T, L + rope_dim]: the kv_a projection, whose
@@ -159,6 +160,7 @@ class Tracer:
         all heads (rotated here). The state keeps latent and rotated key, [R, 1, C, L + rope_dim]: that is
         all the cache holds per token. kv_b [H * (nope_dim + v_dim), L] expands the latent to each head's
         key (no rope part) and value. Output [R, T, H, v_dim]."""
+        capacity = self.graph.shape.capacity if capacity is None else capacity
         rows, tokens, heads, _ = q.shape
         width = kv.shape[-1]
         cache = self.state(f"latent{layer}", (rows, 1, capacity, width), "latent")

@@ -58,7 +58,6 @@ def _latent_attention(t: Tracer, p: MoeParams, i: int, h: Value, positions: Valu
         t.weight(pre + "kv_a_layernorm.weight"),
         t.weight(pre + "kv_b_proj.weight"),
         layer=i,
-        capacity=t.graph.shape.capacity,
         scale=p.attn_scale,
         nope_dim=lat.nope_dim,
         rope_dim=lat.rope_dim,
