@@ -93,3 +93,24 @@ def test_refusals(tmp_path, capsys):
     # An absent device is refused before the checkpoint is read (the path does not even exist).
     rc, _, err = _run(capsys, "similarity", str(tmp_path / "missing"), "a", "--backend", absent[0].name)
     assert rc == 1 and "Backend" in err
+
+
+def test_vectors_match_sentence_transformers(capsys, st_vectors):
+    v = st_vectors(TEXTS)
+    rc, out, err = _run(capsys, "vectors", str(minilm_path()), *TEXTS, "--json", "--backend", "cpu")
+    assert rc == 0 and "warning" not in err
+    result = json.loads(out)
+    assert result["texts"] == TEXTS and np.allclose(np.array(result["vectors"]), v, atol=2e-5)
+    rc, out, _ = _run(capsys, "vectors", str(minilm_path()), *TEXTS[:2])  # one line per text
+    lines = out.strip().splitlines()
+    assert rc == 0 and len(lines) == 2
+    for i, line in enumerate(lines):
+        label, *values = line.split()
+        assert label == f"[{i}]" and np.allclose([float(x) for x in values], v[i], atol=3e-5)
+
+
+def test_a_decoder_used_as_an_embedder_warns(capsys, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama", torch.float32))
+    rc, out, err = _run(capsys, "vectors", model, "a cat", "--backend", "cpu")
+    assert rc == 0 and len(out.strip().splitlines()) == 1
+    assert "warning" in err and "is a decoder (LlamaForCausalLM), not an embedding model" in err
