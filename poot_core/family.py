@@ -40,6 +40,15 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """End-of-sequence ids as configs spell them: absent, one id, or a list."""
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
 class GGUFTensors(Protocol):
     """The tensors of a GGUF file, by llama.cpp's names, as a family sees them while it reads the file."""
 

@@ -160,11 +160,3 @@ def model_config(family: str, arch: str, p: DecoderParams, vocab: int, positions
                  eos: tuple[int, ...], bos: int | None, fmt: str, raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(family=family, architecture=arch, vocab_size=vocab, max_positions=positions,
                        hidden_size=p.hidden, eos_ids=eos, bos_id=bos, params=p, source_format=fmt, raw=raw)
-
-
-def eos_list(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, list | tuple):
-        return tuple(int(v) for v in value)
-    return (int(value),)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poot_core import Family, GGUFKeys, GGUFNames, GGUFTensors, ModelConfig, StepShape, Tracer, hookimpl
-from poot_family_llama.config import DecoderParams, eos_list, model_config, params_from_gguf, params_from_hf
+from poot_core import Family, GGUFKeys, GGUFNames, GGUFTensors, ModelConfig, StepShape, Tracer, eos_ids, hookimpl
+from poot_family_llama.config import DecoderParams, model_config, params_from_gguf, params_from_hf
 from poot_family_llama.model import trace_decoder
 
 # llama.cpp's names beyond the shared ones: gemma3's sandwich norms (its ffn_norm is the pre-feed-forward one).
@@ -22,7 +22,7 @@ class DenseDecoder(Family):
         p = params_from_hf(hf, self.model_type)
         arch = (hf.get("architectures") or [hf.get("model_type", self.name)])[0]
         return model_config(self.name, arch, p, int(hf["vocab_size"]),
-                            int(hf.get("max_position_embeddings", 2048)), eos_list(hf.get("eos_token_id")),
+                            int(hf.get("max_position_embeddings", 2048)), eos_ids(hf.get("eos_token_id")),
                             hf.get("bos_token_id"), "hf", hf)
 
     def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:
@@ -33,7 +33,7 @@ class DenseDecoder(Family):
         positions = int(keys("context_length", 2048))
         keys.refuse_unread()
         return model_config(self.name, arch, p, vocab, positions,
-                            eos_list(metadata.get("tokenizer.ggml.eos_token_id")),
+                            eos_ids(metadata.get("tokenizer.ggml.eos_token_id")),
                             metadata.get("tokenizer.ggml.bos_token_id"), "gguf", metadata)
 
     def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:

@@ -16,6 +16,7 @@ from poot_core import (
     ModelConfig,
     StepShape,
     Tracer,
+    eos_ids,
     hookimpl,
     split_gguf_name,
     unknown_tensor,
@@ -107,14 +108,6 @@ class MoeDecoder(Family):
         trace_moe(config, t)
 
 
-def _eos(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, list | tuple):
-        return tuple(int(v) for v in value)
-    return (int(value),)
-
-
 def _model_config(
     family: str, arch: str, p: MoeParams, vocab: int, positions: int, eos: Any, bos: Any, fmt: str, raw: dict[str, Any]
 ) -> ModelConfig:
@@ -124,7 +117,7 @@ def _model_config(
         vocab_size=vocab,
         max_positions=positions,
         hidden_size=p.hidden,
-        eos_ids=_eos(eos),
+        eos_ids=eos_ids(eos),
         bos_id=None if bos is None else int(bos),
         params=p,
         source_format=fmt,
