@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from poot_core.errors import PluginError, Reason, Unsupported
@@ -51,6 +52,22 @@ class Registry:
         raise Unsupported(
             Reason.REGISTRY,
             str(asked),
-            f"no installed family serves it; installed families: {installed}. "
-            "Install the family plugin that serves this architecture (e.g. pip install poot-family-llama)",
+            f"no installed family serves it; installed families: {installed}. {install_hint(names)}",
         )
+
+
+def install_hint(names: Iterable[Any]) -> str:
+    """How to install a family for `names`, the way this poot was installed: from a source checkout, the
+    plugin folder(s) of the checkout whose source names the first of `names` any of them names (else all
+    its family plugins)."""
+    plugins = Path(__file__).resolve().parent.parent / "plugins"
+    folders = [f.parent for f in sorted(plugins.glob("family_*/pyproject.toml"))]
+    if not folders:
+        return "Install the poot family plugin that serves this architecture (`poot plugins` lists those installed)"
+    sources = {folder: " ".join(src.read_text(encoding="utf-8", errors="replace") for src in folder.rglob("*.py"))
+               for folder in folders}
+    serving: list[Path] = []
+    for name in names:
+        if isinstance(name, str) and name and not serving:
+            serving = [folder for folder in folders if f'"{name}"' in sources[folder]]
+    return "Install it from this checkout: " + " or ".join(f"pip install {folder}" for folder in serving or folders)

@@ -79,13 +79,15 @@ class TensorInfo:
 class _Reader:
     def __init__(self, path: Path, buf: memoryview) -> None:
         self.path, self.buf, self.pos = path, buf, 0
+        self.reading = "the header"  # what is being read, for the messages
 
     def fail(self, message: str, at: int | None = None) -> CheckpointError:
         return CheckpointError(self.path, message, self.pos if at is None else at)
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise self.fail(f"needs {n} bytes but only {len(self.buf) - self.pos} remain (truncated or lying file)")
+            raise self.fail(f"truncated or corrupt GGUF: {self.reading} needs bytes {self.pos}..{self.pos + n}, "
+                            f"the file has {len(self.buf)}")
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -124,7 +126,8 @@ class _Reader:
             if item not in (STRING, ARRAY):
                 raise self.fail(f"unknown array item type {item}", start)
             if count * 8 > len(self.buf) - self.pos:  # every string or array takes at least 8 bytes
-                raise self.fail(f"array of {count} items cannot fit in the file", start)
+                raise self.fail(f"truncated or corrupt GGUF: {self.reading}, an array of {count} items, needs bytes "
+                                f"{self.pos}..{self.pos + count * 8} at least, the file has {len(self.buf)}", start)
             return [self.value(item, depth + 1) for _ in range(count)]
         raise self.fail(f"unknown metadata value type {kind}", self.pos - 4)
 
@@ -161,7 +164,9 @@ class GGUFFile:
         key_at: dict[str, int] = {}
         for _ in range(n_kv):
             at = r.pos
+            r.reading = "a metadata key"
             key = r.string()
+            r.reading = f"metadata value {key!r}"
             if key in metadata:
                 raise CheckpointError(path, f"metadata key {key!r} appears twice", at)
             key_at[key] = at
@@ -179,7 +184,9 @@ class GGUFFile:
     @staticmethod
     def _tensor_info(r: _Reader) -> tuple[str, int, tuple[int, ...], int, int]:
         at = r.pos
+        r.reading = "a tensor's name"
         name = r.string()
+        r.reading = f"the description of tensor {name!r}"
         n_dims = r.u32()
         if n_dims > MAX_DIMS:
             raise r.fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})", at)
@@ -208,13 +215,12 @@ class GGUFFile:
                 )
             nbytes = count // block * type_size
             start = data_start + offset
-            if offset % alignment or start + nbytes > size:
-                raise CheckpointError(
-                    path,
-                    f"tensor {name!r}: data [{start}, {start + nbytes}) is misaligned or "
-                    f"past the end of the {size}-byte file",
-                    at,
-                )
+            if offset % alignment:
+                raise CheckpointError(path, f"tensor {name!r}: offset {offset} is not a multiple of the "
+                                            f"alignment {alignment}", at)
+            if start + nbytes > size:
+                raise CheckpointError(path, f"truncated GGUF: tensor {name!r} needs bytes {start}..{start + nbytes}, "
+                                            f"the file has {size}", at)
             if name in tensors:
                 raise CheckpointError(path, f"tensor {name!r} appears twice", at)
             tensors[name] = TensorInfo(name, qtype.name, tuple(reversed(dims)), start, nbytes)

@@ -18,6 +18,7 @@ from typing import Any
 
 from poot_core.cli import runtime
 from poot_core.cli.args import version
+from poot_core.cli.interrupt import exit_130, on_interrupt
 from poot_core.errors import CapacityError, RequestError
 
 HELP = ("/reset forgets the conversation, /save FILE writes it as JSON, /load FILE reads one back, "
@@ -102,12 +103,9 @@ class Conversation:
 
         threads.for_prefill()
         self.interrupted = False
-        previous = signal.signal(signal.SIGINT, self._on_interrupt)
-        try:
+        with on_interrupt(self._on_interrupt):
             result = self.loaded.driver.generate(GenerateRequest(ids, a.n_predict, sampler, stops, a.ignore_eos),
                                                  on_token)
-        finally:
-            signal.signal(signal.SIGINT, previous)
         if stream:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -120,7 +118,7 @@ class Conversation:
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         if self.interrupted:  # a second Ctrl-C before the reply stopped: give up on the run
-            raise KeyboardInterrupt
+            exit_130()
         self.interrupted = True
 
     def _show_tokens(self, ids: list[int]) -> None:
@@ -227,10 +225,11 @@ class Terminal:
               "/help lists the commands.", file=sys.stderr, flush=True)
 
     def read_turn(self) -> str:
-        lines = [input("> ")]
-        while lines[-1].endswith("\\"):
-            lines[-1] = lines[-1][:-1]
-            lines.append(input(". "))
+        with on_interrupt(signal.default_int_handler):  # Ctrl-C at the prompt: KeyboardInterrupt from input()
+            lines = [input("> ")]
+            while lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1]
+                lines.append(input(". "))
         return "\n".join(lines)
 
     def run(self, prompt: str | None) -> int:

@@ -2,8 +2,8 @@
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`.
 Errors poot raises on purpose print as one line on stderr with exit 1; anything else is one line too, with
-the traceback only under -v or POOT_TRACEBACK=1. Ctrl-C exits 130 without a traceback; a broken pipe on
-stdout exits quietly.
+the traceback only under -v or POOT_TRACEBACK=1. Ctrl-C exits 130 without a traceback (interrupt.py); a
+broken pipe on stdout exits quietly.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from poot_core.cli.args import Parser, version
+from poot_core.cli.interrupt import exit_130, on_interrupt
 from poot_core.errors import PootError
 
 COMMANDS = ("generate", "perplexity", "embed", "plugins", "manifest")
@@ -32,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        return _run(args)
+        with on_interrupt(exit_130):
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            return _run(args)
     except KeyboardInterrupt:
         return 130
 
