@@ -29,6 +29,8 @@ class Capabilities:
     # Weight kinds it computes from: torch dtype names ("bfloat16") and PackedWeight kinds ("gguf.Q4_K").
     weight_kinds: frozenset[str]
     notes: str = ""
+    # KV layouts its attention ops run: "contiguous" (a buffer per row), "paged" (pools of blocks, StepShape.paging)
+    layouts: frozenset[str] = frozenset({"contiguous"})
 
 
 # What callers hand back to the executor without looking inside; each backend chooses its own types.

@@ -23,6 +23,7 @@ from poot_core.executor import Capabilities, check_positions, require_ops
 from poot_core.graph import Graph, Node, Ref, StateRef, ValueRef, WeightRef, passes
 
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
+LAYOUTS = frozenset({"contiguous", "paged"})  # KV layouts (StepShape.paging: poot_core.cpu.paged)
 
 Env = dict[str, Any]
 StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
@@ -55,7 +56,8 @@ class CpuProgram:
             bound[i] = _bind_add_norm(graph.nodes[i], graph.nodes[i + 1], weights)
             bound[i + 1] = _computed_by_another(graph.nodes[i + 1].output)
         reads: list[tuple[Ref | None, ...]] = [node.inputs for node in graph.nodes]  # what each step reads
-        for i, q_rope, k_rope in _roped_attention(graph):
+        # paged steps attend through poot_core.cpu.paged, which rotates nothing itself
+        for i, q_rope, k_rope in ([] if graph.shape.paging else _roped_attention(graph)):
             if not {i, q_rope, k_rope} & bound.keys():
                 att, qn, kn = graph.nodes[i], graph.nodes[q_rope], graph.nodes[k_rope]
                 bound[i] = _bind_rope_attention(att, qn, kn)
@@ -265,8 +267,14 @@ class _Binder:
         return lambda e, s: rope.rotate(e, x(e, s))
 
     def op_attention(self, node: Node) -> StepFn:
-        q, k, v, pos, kc, vc = self.args(node)
+        q, k, v, pos, kc, vc, *paged_inputs = self.args(node)
         a = node.attrs
+        if node.input(6) is not None:  # a paged step: the caches are pools of blocks
+            from poot_core.cpu import paged
+
+            seqs, tables = paged_inputs
+            return lambda e, s: paged.attention(q(e, s), k(e, s), v(e, s), pos(e, s), seqs(e, s), tables(e, s),
+                                                kc(e, s), vc(e, s), a["scale"], a["window"], a["softcap"])
         return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),
                                           a["scale"], a["window"], a["softcap"])
 
@@ -308,6 +316,9 @@ class _Binder:
 
     def op_last_position(self, node: Node) -> StepFn:
         x = self.arg(node.inputs[0])
+        if node.input(1) is not None:  # a paged step: the token of each sequence slot
+            index = self.arg(node.inputs[1])
+            return lambda e, s: x(e, s)[:, index(e, s)]
         return lambda e, s: x(e, s)[:, -1:, :]
 
     def op_logits(self, node: Node) -> StepFn:
@@ -339,7 +350,7 @@ class CpuExecutor:
     def capabilities(self) -> Capabilities:
         from poot_core.checkpoint.quant import supported_kinds
 
-        return Capabilities(CPU_OPS, DENSE_KINDS | frozenset(supported_kinds()))
+        return Capabilities(CPU_OPS, DENSE_KINDS | frozenset(supported_kinds()), layouts=LAYOUTS)
 
     def upload(self, store: Any) -> dict[str, Weight]:
         """Nothing moves: the CPU computes from the memory-mapped weights as stored."""

@@ -77,9 +77,10 @@ def mla_attention(
 
 
 def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[Ref | None], Any]) -> Callable[..., torch.Tensor]:
-    """The executor's binding: inputs (q, kv, positions, kv_norm, kv_b, cache)."""
+    """The executor's binding: inputs (q, kv, positions, kv_norm, kv_b, cache), then (seq_index, block_tables)
+    in a paged step."""
     a = node.attrs
-    q, kv, pos, _, _, cache = args
+    q, kv, pos, _, _, cache, *paged_inputs = args
     kv_norm = get(node.inputs[3]).float()  # a small vector, float32 once
     kv_b = get(node.inputs[4])
     # The same key as the executor's rope op: tables shared with any rope of the same settings in this step.
@@ -91,4 +92,21 @@ def bind(node: Node, args: list[Callable[..., Any]], get: Callable[[Ref | None],
             tables = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["rope_dim"], a["scaling"])
         return mla_attention(q(e, s), kv(e, s), pos(e, s), kv_norm, kv_b, cache(e, s), tables[0], tables[1], a)
 
-    return run
+    if node.input(6) is None:
+        return run
+    from poot_core.cpu import paged
+
+    seqs, block_tables = paged_inputs
+
+    def one_sequence(qs: torch.Tensor, kvs: torch.Tensor, ps: torch.Tensor, c: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        return mla_attention(qs, kvs, ps, kv_norm, kv_b, c, cos, sin, a)
+
+    def run_paged(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
+        tables = e.get(key)
+        if tables is None:
+            tables = e[key] = ops.rope_tables(pos(e, s), a["theta"], a["rope_dim"], a["scaling"])
+        return paged.latent_attention(q(e, s), kv(e, s), pos(e, s), seqs(e, s), block_tables(e, s), cache(e, s),
+                                      tables[0], tables[1], one_sequence, a)
+
+    return run_paged

@@ -38,6 +38,7 @@ from poot_core.graph import Graph, StepShape, Tracer
 
 if TYPE_CHECKING:
     from poot_core.checkpoint.handle import ModelHandle
+    from poot_core.driver.engine import ServingDriver
 
 
 class Layout(StrEnum):
@@ -56,6 +57,14 @@ class DriverOptions:
     prefill_chunk: int = 128  # new tokens per prefill step
     max_programs: int = 16  # prepared step programs kept at once
     draft: Draft = DraftPolicy.OFF  # speculative decoding: DraftPolicy.PromptLookup(...), .DraftModel(...)
+    # Serving (Layout.PAGED, see engine.py): the KV pool, in blocks of block_size positions: kv_blocks of them,
+    # or as many as kv_fraction of the device's free memory holds (never more than max_running full windows)
+    block_size: int = 16
+    kv_blocks: int | None = None
+    kv_fraction: float = 0.25
+    step_tokens: int = 256  # token budget of one serving step (decode tokens and prefill chunks)
+    max_running: int = 32  # sequences one serving step may hold
+    prefix_cache: bool = True
 
 
 @dataclass
@@ -157,9 +166,13 @@ class Driver:
             self._state[shape.rows] = self.executor.allocate_state(graph)
         return prog
 
-    def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver:
-        if Layout(layout) is not Layout.CONTIGUOUS:
-            raise Unsupported(Reason.SHAPE, "paged KV layout", "only the contiguous layout is built so far")
+    def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver | ServingDriver:
+        """CONTIGUOUS: this driver, one sequence at a time. PAGED: the serving driver (engine.py), many
+        sequences per step over a pool of KV blocks."""
+        if Layout(layout) is Layout.PAGED:
+            from poot_core.driver.engine import ServingDriver
+
+            return ServingDriver(self)
         self.layout = Layout.CONTIGUOUS
         # Prepare the decode step now, so an op the executor cannot run is refused before any work.
         self.program(StepShape(1, 1, self.options.capacity))
@@ -226,7 +239,7 @@ class Driver:
             spec.begin(prompt)  # a draft model prefills the prompt into its own cache here
         timings.prefill_seconds = time.perf_counter() - t0
 
-        stop_ids = set() if request.ignore_eos else set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
+        stop_ids = self.stop_ids(request)
         matcher = StopMatcher(request.stops)
         stream = text.stream(prompt)
         history = list(prompt)
@@ -283,6 +296,10 @@ class Driver:
                     on_token(-1, tail)
         timings.decode_seconds = time.perf_counter() - t1
         return Generation(generated, "".join(pieces), reason, timings)
+
+    def stop_ids(self, request: GenerateRequest) -> set[int]:
+        """The ids that end `request` as "eos": none under ignore_eos."""
+        return set() if request.ignore_eos else set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
 
     def _extend(self, tokens: list[int]) -> tuple[Output, int]:
         """Make the cache hold `tokens`, running only what it does not hold yet (always at least the last

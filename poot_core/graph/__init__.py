@@ -12,9 +12,9 @@ This package is part of poot_core's public API: backend plugins import the passe
 """
 
 from poot_core.graph import passes
-from poot_core.graph.ir import Graph, Node, Ref, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
+from poot_core.graph.ir import Graph, Node, Paging, Ref, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
 from poot_core.graph.tracer import Tracer
 
-__all__ = ["OPS", "Dispatch", "Graph", "Node", "OpSpec", "Ref", "StateRef", "StateSpec", "StepShape", "Tracer",
-           "Value", "ValueRef", "WeightRef", "handled_ops", "passes"]
+__all__ = ["OPS", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec", "StepShape",
+           "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes"]

@@ -41,16 +41,32 @@ class ValueRef(Ref):
 
 
 @dataclass(frozen=True)
+class Paging:
+    """The paged KV layout of a serving step. The step is one row of `tokens` tokens from up to `seqs`
+    sequences; each layer's KV state is a pool of `blocks` blocks of `block_size` positions, and a sequence's
+    position p lives in block `block_tables[s, p // block_size]` at offset p % block_size. The step's extra
+    inputs: seq_index [tokens] (the sequence slot of each token; -1 for padding), block_tables
+    [seqs, max_blocks], logit_index [seqs] (the token whose logits each slot reads)."""
+
+    blocks: int
+    block_size: int
+    seqs: int
+    max_blocks: int
+
+
+@dataclass(frozen=True)
 class StepShape:
     """rows: sequences per step; tokens: new tokens per row; capacity: KV positions per row.
     all_logits: logits for every new token (exactness tests, perplexity) or only the last one.
-    hidden: return the final hidden state instead of logits (embeddings)."""
+    hidden: return the final hidden state instead of logits (embeddings).
+    paging: the paged layout (serving), else None (each row owns a contiguous KV buffer of `capacity`)."""
 
     rows: int
     tokens: int
     capacity: int
     all_logits: bool = False
     hidden: bool = False
+    paging: Paging | None = None
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ OPS: dict[str, OpSpec] = {
     "linear": OpSpec(("x", "w", "b?"), (), "[.., N]; w dense or packed, any stored layout"),
     "reshape": OpSpec(("x",), (), "the node's shape"),
     "rope": OpSpec(("x", "positions"), ("theta", "dim", "style", "scaling"), "x's shape"),
-    # k, v of the new tokens are written into the layer's KV state, then q attends over it
-    "attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache"),
+    # k, v of the new tokens are written into the layer's KV state, then q attends over it; a paged step
+    # (StepShape.paging) also reads seq_index and block_tables, its caches being pools of blocks
+    "attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache", "seq_index?", "block_tables?"),
                         ("layer", "scale", "window", "softcap"), "[R, T, Hq, Dh]"),
     "encoder_attention": OpSpec(("q", "k", "v", "mask"), ("scale",), "[R, T, Hq, Dh]; bidirectional, mask [R, T]"),
     "gated": OpSpec(("gate", "up"), ("act",), "gate's shape: act(gate) * up"),
@@ -49,12 +50,13 @@ OPS: dict[str, OpSpec] = {
     "add": OpSpec(("a", "b"), (), "a's shape"),
     "mul": OpSpec(("a", "b"), (), "a's shape"),
     "scale": OpSpec(("x",), ("factor",), "x's shape"),
-    "last_position": OpSpec(("x",), (), "[R, 1, D]: the hidden state logits need"),
+    "last_position": OpSpec(("x", "logit_index?"), (),
+                            "[R, 1, D]: the hidden state logits need; paged: [1, S, D], x[0, logit_index]"),
     "logits": OpSpec(("x", "w"), ("softcap",), "[R, T', V] float32"),
     "moe": OpSpec(("x", "router", "bias?", "shared?", "shared_gate?", "experts*"),
                   ("experts", "stacked", "top_k", "scoring", "norm_topk", "routed_scale", "groups", "topk_groups",
                    "group_score", "act"), "x's shape; see Tracer.moe"),
-    "mla_attention": OpSpec(("q", "kv", "positions", "kv_norm", "kv_b", "cache"),
+    "mla_attention": OpSpec(("q", "kv", "positions", "kv_norm", "kv_b", "cache", "seq_index?", "block_tables?"),
                             ("layer", "scale", "nope_dim", "rope_dim", "v_dim", "eps", "theta", "style", "scaling"),
                             "[R, T, H, v_dim]; see Tracer.mla_attention"),
 }

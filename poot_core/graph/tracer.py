@@ -84,11 +84,26 @@ class Tracer:
         (and within `window` of it, when set). The state holds `capacity` positions, the step's by default."""
         capacity = self.graph.shape.capacity if capacity is None else capacity
         rows, _, kv_heads, head_dim = k.shape
-        kc = self.state(f"k{layer}", (rows, kv_heads, capacity, head_dim), "k")
-        vc = self.state(f"v{layer}", (rows, kv_heads, capacity, v.shape[-1]), "v")
+        # paged: the state is the layer's pool of blocks, one row per block
+        slots, positions_kept = self._kv_rows(rows, capacity)
+        kc = self.state(f"k{layer}", (slots, kv_heads, positions_kept, head_dim), "k")
+        vc = self.state(f"v{layer}", (slots, kv_heads, positions_kept, v.shape[-1]), "v")
         shape = (*q.shape[:3], v.shape[-1])
-        return self.op("attention", (q, k, v, positions, kc, vc), shape, layer=layer, scale=scale,
-                       window=window, softcap=softcap)
+        return self.op("attention", (q, k, v, positions, kc, vc, *self._paged_inputs()), shape, layer=layer,
+                       scale=scale, window=window, softcap=softcap)
+
+    def _kv_rows(self, rows: int, capacity: int) -> tuple[int, int]:
+        """(leading size, positions) of a KV state buffer: rows x capacity, or blocks x block_size when paged."""
+        paging = self.graph.shape.paging
+        return (rows, capacity) if paging is None else (paging.blocks, paging.block_size)
+
+    def _paged_inputs(self) -> tuple[Value, ...]:
+        """The inputs a paged step's attention reads besides the contiguous ones (none when not paged)."""
+        paging = self.graph.shape.paging
+        if paging is None:
+            return ()
+        return (self.input("seq_index", (self.graph.shape.tokens,)),
+                self.input("block_tables", (paging.seqs, paging.max_blocks)))
 
     def encoder_attention(self, q: Value, k: Value, v: Value, mask: Value, *, scale: float) -> Value:
         return self.op("encoder_attention", (q, k, v, mask), (*q.shape[:3], v.shape[-1]), scale=scale)
@@ -109,6 +124,10 @@ class Tracer:
         return self.op("scale", (x,), x.shape, factor=factor)
 
     def last_position(self, x: Value) -> Value:
+        paging = self.graph.shape.paging
+        if paging is not None:  # one token per sequence slot of the flat step
+            index = self.input("logit_index", (paging.seqs,))
+            return self.op("last_position", (x, index), (1, paging.seqs, x.shape[-1]))
         return self.op("last_position", (x,), (x.shape[0], 1, x.shape[-1]))
 
     def logits(self, x: Value, w: Value, softcap: float | None = None) -> Value:
@@ -163,7 +182,9 @@ class Tracer:
         capacity = self.graph.shape.capacity if capacity is None else capacity
         rows, tokens, heads, _ = q.shape
         width = kv.shape[-1]
-        cache = self.state(f"latent{layer}", (rows, 1, capacity, width), "latent")
-        return self.op("mla_attention", (q, kv, positions, kv_norm, kv_b, cache), (rows, tokens, heads, v_dim),
+        slots, positions_kept = self._kv_rows(rows, capacity)
+        cache = self.state(f"latent{layer}", (slots, 1, positions_kept, width), "latent")
+        return self.op("mla_attention", (q, kv, positions, kv_norm, kv_b, cache, *self._paged_inputs()),
+                       (rows, tokens, heads, v_dim),
                        layer=layer, scale=scale, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim, eps=eps,
                        theta=theta, style=style, scaling=dict(scaling or {}))

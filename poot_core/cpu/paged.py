@@ -1,0 +1,88 @@
+"""The CPU executor's paged KV layout: attention of a flat step of tokens from many sequences over pools of
+fixed-size blocks (StepShape.paging).
+
+Each sequence's blocks are gathered into a contiguous cache of its own, the contiguous layout's kernels run
+on it (ops.attention: the C decode kernel for a few queries, flash attention for a chunk; mla.mla_attention),
+and the positions the step wrote are put back into the sequence's blocks. A query's arithmetic is therefore
+the contiguous layout's, over the same keys in the same order: it does not depend on the other sequences of
+the step, and a decode token gives bit for bit the logits-path inputs a contiguous decode step gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from poot_core.cpu import ops
+
+Span = tuple[int, int, int]  # (sequence slot, first token, end token) of one sequence's run in the step
+
+
+def spans(seq_index: torch.Tensor) -> Iterator[Span]:
+    """The runs of consecutive tokens of one sequence slot (padding, slot -1, skipped)."""
+    slots = seq_index.tolist()
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                yield slots[start], start, i
+            start = i
+
+
+def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """pool [blocks, H, B, D] -> the listed blocks as one contiguous cache [1, H, len(blocks) * B, D]."""
+    picked = pool[blocks]  # [n, H, B, D]
+    n, heads, size, dim = picked.shape
+    return picked.transpose(0, 1).reshape(1, heads, n * size, dim)
+
+
+def _scatter(pool: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, local: torch.Tensor,
+             block_size: int) -> None:
+    """Put the positions `local` (of the gathered cache) back into their blocks of the pool."""
+    at, offset = blocks[local // block_size], local % block_size
+    pool[at, :, offset] = cache[0, :, local].transpose(0, 1)
+
+
+def _blocks_of(table: torch.Tensor, first: int, end: int, block_size: int) -> tuple[torch.Tensor, int]:
+    """The block ids holding positions [first.., end) of a sequence, whole blocks, and the first one's position."""
+    lo = first // block_size
+    return table[lo : (end + block_size - 1) // block_size], lo * block_size
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seq_index: torch.Tensor,
+              tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int | None,
+              softcap: float | None) -> torch.Tensor:
+    """q [1, N, Hq, D]; k, v [1, N, Hkv, D]; positions [1, N]; seq_index [N]; tables [S, M]; pools
+    [blocks, Hkv, B, D]. Returns [1, N, Hq, Dv], zeros for padding tokens."""
+    block_size = k_pool.shape[2]
+    out = torch.zeros(*q.shape[:3], v.shape[-1])
+    for slot, t0, t1 in spans(seq_index):
+        pos = positions[0, t0:t1]
+        start, end = int(pos[0]), int(pos[-1]) + 1
+        first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
+        blocks, base = _blocks_of(tables[slot], first, end, block_size)
+        kc, vc = _gather(k_pool, blocks), _gather(v_pool, blocks)
+        local = pos - base
+        out[:, t0:t1] = ops.attention(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], local[None], kc, vc, scale, window,
+                                      softcap)
+        _scatter(k_pool, blocks, kc, local, block_size)
+        _scatter(v_pool, blocks, vc, local, block_size)
+    return out
+
+
+def latent_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, seq_index: torch.Tensor,
+                     tables: torch.Tensor, pool: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     run: Callable[..., torch.Tensor], a: dict[str, Any]) -> torch.Tensor:
+    """Latent attention (mla.mla_attention as `run`) of a paged step: q [1, N, H, dn + dr], kv [1, N, L + dr],
+    pool [blocks, 1, B, L + dr], cos/sin [1, N, 1, dr / 2]. Returns [1, N, H, v_dim]."""
+    block_size = pool.shape[2]
+    out = torch.zeros(*q.shape[:3], a["v_dim"])
+    for slot, t0, t1 in spans(seq_index):
+        pos = positions[0, t0:t1]
+        blocks, _ = _blocks_of(tables[slot], 0, int(pos[-1]) + 1, block_size)
+        cache = _gather(pool, blocks)
+        out[:, t0:t1] = run(q[:, t0:t1], kv[:, t0:t1], pos[None], cache, cos[:, t0:t1], sin[:, t0:t1])
+        _scatter(pool, blocks, cache, pos, block_size)
+    return out

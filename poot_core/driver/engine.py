@@ -1,0 +1,351 @@
+"""The serving driver: many sequences per step over a pool of paged KV blocks (Layout.PAGED).
+
+`Driver(handle, executor, options).serve(Layout.PAGED)` returns one. Requests are submitted and the engine is
+stepped: each step the scheduler (scheduler.py) picks decode tokens and prefill chunks of many sequences under
+one token budget, the step runs as one flat batch of tokens whose attention reads each sequence's own blocks
+(StepShape.paging; the executor's business, families do not change), and every sequence that reached the end
+of its tokens gets its next token from its own sampler, stops and limits, as Driver.generate would give it.
+
+Step shapes are bucketed (token counts and sequence slots in powers of two up to the budgets), so few programs
+are ever prepared; padding tokens belong to no sequence and write nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from poot_core.driver.kv_pool import KVPool
+from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
+from poot_core.driver.scheduler import Limits, Scheduler, Sequence
+from poot_core.driver.stops import StopMatcher
+from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
+from poot_core.executor import Output, Program
+from poot_core.graph import Graph, Paging, StepShape
+
+if TYPE_CHECKING:
+    from poot_core.driver.core import Driver, GenerateRequest, Generation, OnToken
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A generated token and the text it makes safe to show (token -1: the held-back tail at the end)."""
+
+    request_id: int
+    token: int
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """reason: eos | stop | length | capacity | callback | abort | error (then `error` says what failed)."""
+
+    request_id: int
+    reason: str
+    generation: Generation
+    ttft: float  # seconds from submit to the first token (0 without one)
+    tpot: float  # seconds per output token after the first (0 with fewer than two)
+    preemptions: int = 0
+    error: PootError | None = None
+
+
+Event = TokenEvent | FinishedEvent
+
+
+@dataclass
+class PoolCounters:
+    blocks: int
+    held: int
+    idle_cached: int
+    preemptions: int
+    cache: CacheCounters
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    request: GenerateRequest
+    prompt_len: int
+    limit: int
+    stop_ids: set[int]
+    matcher: StopMatcher
+    stream: object
+    submitted: float
+    on_token: OnToken | None = None
+    generated: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    first_token: float = 0.0
+
+
+def _buckets(limit: int) -> list[int]:
+    sizes = [1 << i for i in range(max(limit, 1).bit_length()) if 1 << i < limit]
+    return [*sizes, limit]
+
+
+def _bucket(buckets: list[int], n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class ServingDriver:
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        executor, options = driver.executor, driver.options
+        if "paged" not in getattr(executor.capabilities(), "layouts", frozenset()):
+            raise Unsupported(Reason.SHAPE, "paged KV layout (Layout.PAGED)",
+                              f"the {executor.name} backend does not run paged steps; use Layout.CONTIGUOUS")
+        if options.block_size < 1:
+            raise RequestError(f"block_size must be positive, got {options.block_size}")
+        self.block_size = options.block_size
+        self.max_blocks = -(-options.capacity // self.block_size)  # block table width: one full window
+        self.limits = Limits(options.step_tokens, options.max_running, options.prefill_chunk)
+        self._token_buckets = _buckets(options.step_tokens)
+        self._seq_buckets = _buckets(options.max_running)
+        blocks = self._pool_blocks()
+        self.pool = KVPool(blocks, self.block_size, PrefixCache() if options.prefix_cache else None)
+        self.scheduler = Scheduler(self.pool, self.limits)
+        # the longest a sequence may grow: its window, and never more than the whole pool
+        self.capacity = min(options.capacity, blocks * self.block_size)
+        self._programs: OrderedDict[StepShape, Program] = OrderedDict()
+        self._state = None
+        self._requests: dict[int, _Request] = {}
+        self._backlog: list[Event] = []
+        self._next_id = 0
+        self.keep_logits = False  # tests: keep the logits each sampled token came from, per request
+        self.logits: dict[int, list[np.ndarray]] = {}
+        self.steps = 0
+        self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
+
+    # --- programs -------------------------------------------------------------------------------------
+    def _shape(self, tokens: int, seqs: int) -> StepShape:
+        paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks)
+        return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging)
+
+    def _pool_blocks(self) -> int:
+        options = self.driver.options
+        if options.kv_blocks is not None:
+            if options.kv_blocks < 1:
+                raise RequestError(f"kv_blocks must be positive, got {options.kv_blocks}")
+            return options.kv_blocks
+        if not 0.0 < options.kv_fraction <= 1.0:
+            raise RequestError(f"kv_fraction must be in (0, 1], got {options.kv_fraction}")
+        probe: Graph = self.driver._trace(StepShape(1, 1, self.block_size,
+                                                    paging=Paging(1, self.block_size, 1, self.max_blocks)))
+        per_block = sum(4 * math.prod(spec.shape) for spec in probe.state.values())  # float32 state
+        fits = int(options.kv_fraction * self.driver.executor.memory()["free"]) // max(per_block, 1)
+        enough = options.max_running * self.max_blocks  # every running sequence at its full window
+        blocks = min(fits, enough)
+        if blocks < 1:
+            raise CapacityError(f"not one KV block of {per_block} bytes fits in {options.kv_fraction} of the "
+                                "free memory; raise kv_fraction or set kv_blocks")
+        return blocks
+
+    def program(self, shape: StepShape) -> Program:
+        prog = self._programs.get(shape)
+        if prog is not None:
+            self._programs.move_to_end(shape)
+            return prog
+        graph = self.driver._trace(shape)
+        prog = self.driver.executor.prepare(graph, self.driver.weights)
+        if self._state is None:  # every bucket's graph has the same pools
+            self._state = self.driver.executor.allocate_state(graph)
+        self._programs[shape] = prog
+        while len(self._programs) > self.driver.options.max_programs:
+            self._programs.popitem(last=False)
+        return prog
+
+    # --- requests -------------------------------------------------------------------------------------
+    def _check(self, request: GenerateRequest) -> list[int]:
+        prompt = self.driver._check_ids(request.prompt)
+        if request.max_new < -1:
+            raise RequestError(f"max_new must be -1 or >= 0, got {request.max_new}")
+        cap = self.capacity
+        if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
+            where = ("the KV capacity" if cap == self.driver.options.capacity
+                     else f"the KV pool ({self.pool.blocks} blocks of {self.block_size})")
+            raise CapacityError(f"prompt of {len(prompt)} tokens plus {request.max_new} new tokens can never fit "
+                                f"{where}: {cap} positions; raise the capacity or the pool, or shorten it")
+        return prompt
+
+    def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None) -> int:
+        """Queue a request; returns its id. A request that can never fit is a CapacityError here."""
+        prompt = self._check(request)
+        rid = self._next_id
+        self._next_id += 1
+        seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, arrival=rid)
+        limit = request.max_new if request.max_new >= 0 else self.capacity - len(prompt)
+        req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
+                       StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter())
+        self._requests[rid] = req
+        if self.keep_logits:
+            self.logits[rid] = []
+        if limit == 0:
+            self._backlog.extend(self._finish(req, "length" if request.max_new >= 0 else "capacity"))
+        else:
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request; its finished event (reason "abort") comes with the next step. False when it is not
+        in flight."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._backlog.extend(self._finish(req, "abort"))
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def counters(self) -> PoolCounters:
+        cache = self.pool.cache
+        return PoolCounters(self.pool.blocks, self.pool.held, cache.idle_blocks if cache else 0,
+                            self.scheduler.preemptions, cache.counters if cache else CacheCounters())
+
+    # --- stepping -------------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Run one step; returns the events since the last call (token pieces, finished requests)."""
+        events, self._backlog = self._backlog, []
+        return events + self._step()
+
+    def _step(self) -> list[Event]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting:
+                raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
+            return []
+        n = sum(count for _, count in batch)
+        shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
+        inputs = self._inputs(shape, batch)
+        try:
+            out = self.program(shape).run(self._state, inputs)[0]
+        except PootError as exc:  # the step's sequences fail, each with the error in its own event
+            events: list[Event] = []
+            for seq, _ in batch:
+                events.extend(self._finish(self._requests[seq.id], "error", exc))
+            return events
+        self.steps += 1
+        self.scheduler.advance(batch)
+        return self._sample(batch, out)
+
+    def _inputs(self, shape: StepShape, batch: list[tuple[Sequence, int]]) -> dict[str, np.ndarray]:
+        paging = shape.paging
+        assert paging is not None
+        tokens = np.zeros((1, shape.tokens), dtype=np.int64)
+        positions = np.zeros((1, shape.tokens), dtype=np.int64)
+        seq_index = np.full(shape.tokens, -1, dtype=np.int64)
+        tables = np.zeros((paging.seqs, paging.max_blocks), dtype=np.int64)
+        logit_index = np.zeros(paging.seqs, dtype=np.int64)
+        t = 0
+        for slot, (seq, count) in enumerate(batch):
+            tokens[0, t : t + count] = seq.tokens[seq.computed : seq.computed + count]
+            positions[0, t : t + count] = np.arange(seq.computed, seq.computed + count)
+            seq_index[t : t + count] = slot
+            tables[slot, : len(seq.blocks)] = seq.blocks
+            logit_index[slot] = t + count - 1
+            t += count
+        return {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
+                "logit_index": logit_index}
+
+    def _sample(self, batch: list[tuple[Sequence, int]], out: Output) -> list[Event]:
+        logits = self.driver.executor.to_numpy(out)[0]  # [slots, vocab]
+        events: list[Event] = []
+        for slot, (seq, _) in enumerate(batch):
+            if seq.pending:  # a prefill chunk short of the prompt's end: nothing to pick yet
+                continue
+            req = self._requests[seq.id]
+            if self.keep_logits:
+                self.logits[seq.id].append(logits[slot].copy())
+            token = req.request.sampler.sample(logits[slot], seq.tokens)
+            events.extend(self._accept(req, token))
+        return events
+
+    def _accept(self, req: _Request, token: int) -> list[Event]:
+        """One new token through the path Driver.generate takes: eos, stop strings, callback, limits."""
+        if not req.generated:
+            req.first_token = time.perf_counter()
+        req.generated.append(token)
+        req.seq.tokens.append(token)
+        if token in req.stop_ids:
+            return self._finish(req, "eos")
+        emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
+        req.pieces.append(emit)
+        events: list[Event] = [TokenEvent(req.seq.id, token, emit)]
+        from poot_core.driver.core import GenerationControl
+
+        control = req.on_token(token, emit) if req.on_token else None
+        if hit:
+            return events + self._finish(req, "stop")
+        if control is GenerationControl.BREAK:
+            return events + self._finish(req, "callback")
+        if len(req.generated) >= req.limit:
+            return events + self._finish(req, "length")
+        return events
+
+    def _finish(self, req: _Request, reason: str, error: PootError | None = None) -> list[Event]:
+        from poot_core.driver.core import Generation, Timings
+
+        events: list[Event] = []
+        if reason in ("length", "capacity", "callback"):
+            tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]
+            tail += req.matcher.flush()
+            if tail:
+                req.pieces.append(tail)
+                events.append(TokenEvent(req.seq.id, -1, tail))
+                if req.on_token:
+                    req.on_token(-1, tail)
+        self.scheduler.remove(req.seq)
+        del self._requests[req.seq.id]
+        now = time.perf_counter()
+        first = req.first_token or now
+        count = len(req.generated)
+        timings = Timings(prefill_tokens=req.prompt_len - req.seq.reused, prefill_seconds=first - req.submitted,
+                          decode_tokens=max(count - 1, 0), decode_seconds=now - first if count else 0.0,
+                          reused_tokens=req.seq.reused)
+        generation = Generation(list(req.generated), "".join(req.pieces), reason, timings)
+        tpot = (now - first) / (count - 1) if count > 1 else 0.0
+        events.append(FinishedEvent(req.seq.id, reason, generation, first - req.submitted if count else 0.0, tpot,
+                                    req.seq.preemptions, error))
+        return events
+
+    # --- whole requests -------------------------------------------------------------------------------
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[Generation]:
+        """Run every request to its end, sharing steps; generations in the requests' order. Each is checked
+        before any is queued."""
+        for request in requests:
+            self._check(request)
+        ids = [self.submit(r) for r in requests]
+        done: dict[int, Generation] = {}
+        pending = set(ids)
+        while pending:
+            for event in self.step():
+                if isinstance(event, FinishedEvent):
+                    if event.request_id in pending:
+                        done[event.request_id] = event.generation
+                        pending.discard(event.request_id)
+                    else:
+                        self._backlog.append(event)
+                elif event.request_id not in pending:
+                    self._backlog.append(event)
+        return [done[i] for i in ids]
+
+    def generate(self, request: GenerateRequest, on_token: OnToken | None = None) -> Generation:
+        """One request to its end (other requests in flight keep running; their events wait for step())."""
+        rid = self.submit(request)
+        req = self._requests.get(rid)
+        if req is not None:
+            req.on_token = on_token
+        while True:
+            events, self._backlog = self._backlog, []
+            events += self._step()
+            for event in events:
+                if event.request_id != rid:
+                    self._backlog.append(event)
+                elif isinstance(event, FinishedEvent):
+                    self._backlog.extend(e for e in events[events.index(event) + 1 :] if e.request_id != rid)
+                    return event.generation

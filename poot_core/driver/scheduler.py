@@ -1,0 +1,188 @@
+"""The serving engine's scheduler: which sequences run in the next step, with how many tokens, and their KV
+blocks.
+
+Each step has a token budget and a limit on running sequences. Running sequences that decode go first (one
+token each, oldest first), then prefill chunks of running sequences, then waiting requests are admitted in
+order of priority, first come first served within one (a request that does not fit yet holds back those
+behind it). When a running sequence needs a block and the pool has none, the newest running sequence is
+preempted: its blocks are given back and it waits again, keeping its tokens, so that it is recomputed later
+and finishes as it would have. A sequence's tokens are its prompt and what it generated; `computed` of them
+have their K/V in its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from poot_core.driver.kv_pool import KVPool
+from poot_core.driver.prefix_cache import PrefixCache
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: int
+    tokens: list[int]
+    priority: int = 0
+    salt: str | None = None
+    arrival: int = 0  # submission order
+    computed: int = 0  # tokens whose K/V is in the blocks
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the first full blocks
+    preemptions: int = 0
+    reused: int = 0  # prompt tokens found in the prefix cache at the last admission
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+    def order(self) -> tuple[int, int]:
+        return (-self.priority, self.arrival)
+
+
+@dataclass
+class Limits:
+    step_tokens: int
+    max_running: int
+    prefill_chunk: int
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, limits: Limits) -> None:
+        if limits.step_tokens < 1 or limits.max_running < 1 or limits.prefill_chunk < 1:
+            raise ValueError(f"scheduler limits must be positive: {limits}")
+        self.pool, self.limits = pool, limits
+        self.waiting: list[Sequence] = []  # kept in order()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.preemptions = 0
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self.pool.cache
+
+    # --- queues ---------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self._wait(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].order() > seq.order():
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a sequence (finished or aborted), giving its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        for block in seq.blocks:
+            self.pool.release(block)
+        seq.blocks, seq.keys, seq.computed = [], [], 0
+
+    # --- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, tokens it runs) in step order, within the budgets."""
+        chosen: dict[Sequence, int] = {}
+        budget = self.limits.step_tokens
+        for seq in list(self.running):  # decode first
+            if budget == 0:
+                break
+            if seq in self.running and seq.pending == 1 and self._reserve(seq, seq.computed + 1, chosen):
+                chosen[seq] = 1
+                budget -= 1
+        for seq in list(self.running):  # then the prefill chunks of running sequences
+            budget = self.limits.step_tokens - sum(chosen.values())
+            if budget == 0:
+                break
+            if seq in self.running and seq not in chosen and seq.pending > 1:
+                n = min(seq.pending, self.limits.prefill_chunk, budget)
+                if self._reserve(seq, seq.computed + n, chosen):
+                    chosen[seq] = n
+        budget = self.limits.step_tokens - sum(chosen.values())
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break  # first come, first served: nothing behind it goes first
+            chosen[seq] = n
+            budget -= n
+        return list(chosen.items())
+
+    def _reserve(self, seq: Sequence, positions: int, chosen: dict[Sequence, int]) -> bool:
+        """Blocks for `positions` positions of a running sequence, preempting the newest others when the pool
+        is short. False when `seq` itself had to be preempted."""
+        need = self.pool.blocks_for(positions) - len(seq.blocks)
+        while need > self.pool.available:
+            victim = self.running[-1]
+            self._preempt(victim, chosen)
+            if victim is seq:
+                return False
+        for _ in range(need):
+            seq.blocks.append(self.pool.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence, chosen: dict[Sequence, int]) -> None:
+        self.running.remove(seq)
+        chosen.pop(seq, None)
+        self._free(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self._wait(seq)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit the head of the queue with its first chunk when the pool has room (never preempting for it):
+        the tokens it runs now, or 0."""
+        hits = self._cached_prefix(seq, count=False)
+        computed = len(hits) * self.pool.block_size
+        n = min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget)
+        idle_hits = sum(1 for b in hits if self.cache is not None and self.cache.is_idle(b))
+        need = self.pool.blocks_for(computed + n) - len(hits)
+        if need > self.pool.available - idle_hits:
+            return 0
+        hits = self._cached_prefix(seq, count=True)
+        for block in hits:
+            self.pool.retain(block)
+        seq.blocks = list(hits)
+        seq.computed = seq.reused = computed
+        for _ in range(need):
+            seq.blocks.append(self.pool.allocate())
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return n
+
+    def _cached_prefix(self, seq: Sequence, count: bool) -> list[int]:
+        """The cached blocks of the sequence's full leading blocks, stopping at the first miss; at least one
+        token is left to run (its logits pick the next token). Fills seq.keys when counted."""
+        cache = self.cache
+        if cache is None:
+            return []
+        size = self.pool.block_size
+        found, keys, previous = [], [], None
+        for i in range((len(seq.tokens) - 1) // size):
+            key = cache.key(previous, seq.tokens[i * size : (i + 1) * size], seq.salt)
+            block = cache.find(key) if count else cache.peek(key)
+            if block is None:
+                break
+            found.append(block)
+            keys.append(key)
+            previous = key
+        if count:
+            seq.keys = keys
+        return found
+
+    def advance(self, ran: Iterable[tuple[Sequence, int]]) -> None:
+        """After the step: the tokens ran are computed; blocks that became full are made findable."""
+        cache, size = self.cache, self.pool.block_size
+        for seq, n in ran:
+            seq.computed += n
+            if cache is None:
+                continue
+            while len(seq.keys) < seq.computed // size:
+                i = len(seq.keys)
+                key = cache.key(seq.keys[-1] if seq.keys else None, seq.tokens[i * size : (i + 1) * size], seq.salt)
+                seq.keys.append(key)
+                cache.add(key, seq.blocks[i])
