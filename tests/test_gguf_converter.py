@@ -17,6 +17,10 @@ Honest adjustments to what the converter can express, each as real checkpoints h
 - DeepSeek V3's released config.json says `scoring_func: sigmoid`, which the converter turns into the
   gating key; transformers' own config does not write it, so the test adds it.
 - The converter's pre-tokenizer check: see tests/llama_cpp_convert.py.
+
+Where llama.cpp itself reads less than the file says, poot follows the file (that is transformers' model):
+llama.cpp's llama ignores rope.scaling.yarn_beta_fast/slow and yarn_attn_factor (it uses 32, 1 and its own
+factor); the llama_yarn checkpoint sets other values on purpose.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ import transformers as tf
 from test_family_moe import moe_config
 
 import tiny
-from poot_core import Driver, DriverOptions, ModelHandle, Unsupported, open_executor, weight_kind
+from poot_core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    ModelHandle,
+    Unsupported,
+    open_executor,
+    weight_kind,
+)
 
 CONVERTER = Path(__file__).resolve().parent.parent / ".cache" / "testdata" / "llama.cpp" / "convert"
 pytestmark = pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").is_file(),
@@ -221,6 +233,19 @@ def test_q8_0_file_matches_transformers_on_its_weights(converted, arch, tmp_path
     print(f"{arch} q8_0 file: max relative error {error:.2e} (q8_0 moved the logits by {moved:.2e})")
     assert error <= 1e-4
     assert moved > 1e-3  # the test can fail: the file's weights move the logits far more than the bound
+
+
+@pytest.mark.parametrize("arch", ["llama_llama3", "llama_yarn", "gemma3", "deepseek_v3"])
+def test_greedy_tokens_from_the_f32_file_match_transformers(converted, arch):
+    """Decode steps (one token per step, the CPU's fused decode route) with the converted rope and windows."""
+    case = converted[arch]
+    driver = Driver(ModelHandle.load(case["f32"]), open_executor("cpu"),
+                    DriverOptions(capacity=128, prefill_chunk=16)).serve()
+    ours = driver.generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True)).tokens
+    model = tf.AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.float32)
+    out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, 20:].tolist()
 
 
 def test_llama3_rope_freqs_matter(converted):
