@@ -11,7 +11,6 @@ read per token over the measured copy bandwidth), and writes bench/results/cpu_d
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,12 +39,7 @@ def poot_run(path: Path) -> dict[str, float]:
     driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=1024, prefill_chunk=512)).serve()
     ids = prompt_ids(handle.text().encode)
     driver.generate(GenerateRequest(ids[:16], max_new=8, ignore_eos=True))  # warm-up
-    best: dict[str, float] = {"prefill": 0.0, "decode": 0.0}
-    for _ in range(2):
-        driver.reset()  # prefill the whole prompt, nothing reused from the previous round
-        r = driver.generate(GenerateRequest(ids, max_new=NEW_TOKENS, ignore_eos=True))
-        best["prefill"] = max(best["prefill"], r.timings.prefill_tok_s)
-        best["decode"] = max(best["decode"], r.timings.decode_tok_s)
+    best = best_of(common.poot_round(driver, ids, NEW_TOKENS), common.poot_round(driver, ids, NEW_TOKENS))
     best["weight_bytes"] = float(handle.store().nbytes())
     return best
 
@@ -75,29 +69,12 @@ def transformers_run(path: Path) -> dict[str, float]:
 
 
 def llama_cpp_run(gguf: Path) -> dict[str, float] | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        print("building llama-cpp-python from source (several minutes) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python"], check=True)
-        import llama_cpp
+    llama_cpp = common.llama_cpp()
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
                           verbose=False)
     ids = prompt_ids(lambda t: llm.tokenize(t.encode(), add_bos=True))
-    best = {"prefill": 0.0, "decode": 0.0}
-    for _ in range(2):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        best["prefill"] = max(best["prefill"], len(ids) / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        token = llm.sample(temp=0.0)
-        for _ in range(NEW_TOKENS - 1):
-            llm.eval([token])
-            token = llm.sample(temp=0.0)
-        best["decode"] = max(best["decode"], (NEW_TOKENS - 1) / (time.perf_counter() - t0))
-    return best
+    return best_of(common.llama_cpp_round(llm, ids, NEW_TOKENS), common.llama_cpp_round(llm, ids, NEW_TOKENS))
 
 
 def best_of(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

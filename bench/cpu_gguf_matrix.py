@@ -42,6 +42,8 @@ ROOT = HERE.parent
 for extra in (HERE, ROOT / "tests", ROOT / "scripts"):
     sys.path.insert(0, str(extra))
 
+from cpu_decode import prompt_ids  # noqa: E402  (the text cpu_decode.py measures, at most 512 tokens)
+
 import common  # noqa: E402
 
 CACHE = ROOT / ".cache" / "bench"
@@ -149,14 +151,7 @@ def mix_text(mix: dict[str, Any]) -> str:
 
 # ---- the workers: one process per engine and file, driven over stdin/stdout by JSON lines ------------------
 
-def _prompt(encode: Any) -> list[int]:
-    from cpu_decode import prompt_ids  # the text cpu_decode.py measures, at most 512 tokens
-
-    return prompt_ids(encode)
-
-
-def _serve(path: Path, threads: int, out: IO[str]) -> None:
-    engine = os.environ["BENCH_ENGINE"]
+def _serve(engine: str, path: Path, threads: int, out: IO[str]) -> None:
     if engine == "poot":
         import torch
 
@@ -167,7 +162,7 @@ def _serve(path: Path, threads: int, out: IO[str]) -> None:
         before = common.anonymous_bytes()
         handle = ModelHandle.load(path)
         driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=CAPACITY, prefill_chunk=512)).serve()
-        ids = _prompt(handle.text().encode)
+        ids = prompt_ids(handle.text().encode)
         loaded = common.anonymous_bytes() - before
 
         def round_(ids: list[int], new: int) -> dict[str, float]:
@@ -177,7 +172,7 @@ def _serve(path: Path, threads: int, out: IO[str]) -> None:
         before = common.anonymous_bytes()
         llm = llama_cpp.Llama(str(path), n_ctx=CAPACITY, n_threads=threads, n_threads_batch=threads, n_batch=512,
                               verbose=False)
-        ids = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=True))
+        ids = prompt_ids(lambda t: llm.tokenize(t.encode(), add_bos=True))
         loaded = common.anonymous_bytes() - before
 
         def round_(ids: list[int], new: int) -> dict[str, float]:
@@ -193,7 +188,7 @@ def _serve(path: Path, threads: int, out: IO[str]) -> None:
         reply: dict[str, Any] = round_(cmd["ids"], cmd["new"])
         if cmd.get("memory"):
             reply["anonymous_bytes"] = common.anonymous_bytes() - before
-            reply["anonymous_bytes_loaded"] = loaded
+            reply["anonymous_loaded_bytes"] = loaded
             reply["mapped_bytes"] = common.mapped_bytes(path)
         send(reply)
 
@@ -202,8 +197,9 @@ class Worker:
     def __init__(self, engine: str, path: Path, threads: int) -> None:
         self.engine = engine
         self.log = tempfile.TemporaryFile(mode="w+")
-        env = {**os.environ, "BENCH_ENGINE": engine, "OMP_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(path), "--threads", str(threads)],
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", engine, str(path), "--threads",
+                                      str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
 
@@ -269,7 +265,7 @@ def memory_text(r: dict[str, Any]) -> str:
         mib = 2**20
         return (f"{(m['mapped_bytes'] + m['anonymous_bytes']) / r['file_bytes']:.2f}x the file "
                 f"(mapped {m['mapped_bytes'] / mib:.0f} + anonymous {m['anonymous_bytes'] / mib:.0f} MiB, "
-                f"{m['anonymous_bytes_loaded'] / mib:.0f} of it before the first step)")
+                f"{m['anonymous_loaded_bytes'] / mib:.0f} of it before the first step)")
 
     return f"poot {one(r['poot'])}; llama.cpp {one(r['llama_cpp'])}"
 
@@ -290,7 +286,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per engine (best of them)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine")
     parser.add_argument("--prepare", action="store_true", help="only make the files and print their block types")
-    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # worker process
+    parser.add_argument("--serve", nargs=2, metavar=("ENGINE", "GGUF"), help=argparse.SUPPRESS)  # a worker
     parser.add_argument("--quantize", nargs=3, metavar=("SRC", "DST", "TYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quantize:
@@ -298,7 +294,7 @@ def main() -> int:
     if args.serve:
         out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed goes to stderr
         os.dup2(2, 1)
-        _serve(args.serve, args.threads, out)
+        _serve(args.serve[0], Path(args.serve[1]), args.threads, out)
         return 0
 
     prompt_tokens, new_tokens = (128, 16) if args.quick else (512, 128)
