@@ -319,3 +319,45 @@ def test_threads_set_the_cpu_thread_count_for_prefill_and_decode(model, monkeypa
     assert rc == 0, capsys.readouterr().err
     assert seen[0][0] > 1 and {t for n, t in seen if n > 1} == {3}
     assert len([n for n, _ in seen if n == 1]) == 3 and {t for n, t in seen if n == 1} == {1}
+
+
+MEASURE = r"""
+import json, sys
+import torch
+from poot_core.cli.main import main
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+torch.ones(64, 64) @ torch.ones(64, 64)  # torch's compute libraries are in before the baseline
+before = status("VmRSS")
+rc = main(["generate", "-m", sys.argv[1], "--no-chat-template", "-p", "Once upon a time", "-n", "8", "--ignore-eos",
+           "--backend", "cpu", "--no-show-timings", *sys.argv[2:]])
+print("\n" + json.dumps({"rc": rc, "grown": status("VmHWM") - before}))
+"""
+
+
+def test_resident_memory_with_defaults_on_a_32k_window_model(tmp_path):
+    """The weights plus the default 4096-position KV cache, within 1.2x: not a cache for the whole 32k."""
+    from gguf import GGUFReader
+    from test_cli_perplexity import gguf_copy
+
+    path = gguf_copy(smollm.gguf_path(), tmp_path / "long.gguf", **{"llama.context_length": 32768})
+    meta = GGUFReader(path).fields
+
+    def value(key: str) -> int:
+        return int(meta[key].parts[meta[key].data[0]][0])
+
+    head_dim = value("llama.embedding_length") // value("llama.attention.head_count")
+    per_position = value("llama.block_count") * 2 * value("llama.attention.head_count_kv") * head_dim * 4  # f32 K, V
+    weights = path.stat().st_size
+    bound = 1.2 * (weights + 4096 * per_position)
+    assert weights + 32768 * per_position > bound  # a cache for the whole window would break it
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(path), "-t", "1"], capture_output=True, text=True,
+                         timeout=600)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["rc"] == 0, out.stderr
+    # the peak resident memory the run added: the weights' mapped pages, the KV cache, everything else
+    assert measured["grown"] <= bound, (measured, bound)
