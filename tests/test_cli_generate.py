@@ -361,3 +361,15 @@ def test_resident_memory_with_defaults_on_a_32k_window_model(tmp_path):
     assert measured["rc"] == 0, out.stderr
     # the peak resident memory the run added: the weights' mapped pages, the KV cache, everything else
     assert measured["grown"] <= bound, (measured, bound)
+
+
+def test_the_readme_python_example_runs_as_it_says(tmp_path):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert 'scripts/default_model.py' in code  # it says where its model comes from
+    example = tmp_path / "example.py"
+    example.write_text(code)
+    out = subprocess.run([sys.executable, str(example), str(smollm.gguf_path())], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"(eos|stop|length) [\d.]+ tok/s$", out.stdout.strip())
