@@ -131,3 +131,5 @@ def test_refusals(text_file, tmp_path, tiny_checkpoint):
     assert out.returncode == 1 and "--chunks must be" in out.stderr
     out = poot("-m", model, "-f", str(tmp_path / "missing.txt"))
     assert out.returncode == 1 and "cannot read the text file" in out.stderr
+    out = poot("-m", model, "-f", str(short), "-c", "64", "-t", "1", "-tb", "2")
+    assert "-t has no effect here" in out.stderr

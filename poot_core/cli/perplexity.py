@@ -52,6 +52,8 @@ def chunk_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     runtime.check_device_flags(args)
+    if args.threads != -1 and args.threads_batch is not None:
+        runtime.warn("-t has no effect here: poot perplexity only prefills, with -tb threads")
     if args.chunks == 0 or args.chunks < -1:
         raise RequestError(f"--chunks must be -1 or >= 1, got {args.chunks}")
     model = Path(args.model)
