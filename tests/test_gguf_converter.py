@@ -17,6 +17,9 @@ Honest adjustments to what the converter can express, each as real checkpoints h
 - DeepSeek V3's released config.json says `scoring_func: sigmoid`, which the converter turns into the
   gating key; transformers' own config does not write it, so the test adds it.
 - The converter's pre-tokenizer check: see tests/llama_cpp_convert.py.
+- Vocabulary size: the converter asserts every id AutoTokenizer gives is below vocab_size, and transformers 5
+  loads a qwen2 directory with Qwen2Tokenizer, which adds <|endoftext|> after the trained ids; gemma3's
+  converter keeps only as many embedding rows as tokenizer.json lists. Every model's vocab_size is that count.
 
 Where llama.cpp itself reads less than the file says, poot follows the file (that is transformers' model):
 llama.cpp's llama ignores rope.scaling.yarn_beta_fast/slow and yarn_attn_factor (it uses 32, 1 and its own
