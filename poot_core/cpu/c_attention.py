@@ -8,11 +8,14 @@ scores against the kept keys of its key/value head, a float32 softmax, and the w
 
 Prefill: `attend_blocks` is flash attention with register tiles: per key/value head, its keys are transposed
 once into scratch, then each block of 4 queries of each head in the group meets blocks of 64 keys (a 4 x 64
-tile of scores in 16 AVX-512 registers), with the running maximum and sum of the online softmax, and the
-values are added into a 4 x head-size accumulator. Only key blocks the causal window reaches are read.
+tile of scores: 16 AVX-512 registers, or on AVX2 + FMA four passes of 4 x 16 in 8 of its 16 registers), with
+the running maximum and sum of the online softmax, and the values are added into a 4 x head-size accumulator.
+Only key blocks the causal window reaches are read (on AVX2, within the last block only the 16-key passes it
+reaches). On the 2-core AVX2 machine (AMD EPYC) the AVX2 route took 5.8-6.0 ms of CPU time for SmolLM2's
+512-token prompt per layer (9 heads, 3 key/value heads, head size 64) against 10-13 ms in torch's SDPA.
 
-The arithmetic is float32 throughout; only the order of the sums (and exp: the 2-ulp exp16 of csrc/common.h)
-differ from torch's. The C is csrc/attention.c.
+The arithmetic is float32 throughout; only the order of the sums (and exp: the 2-ulp exp16 / exp8 of
+csrc/common.h) differ from torch's. The C is csrc/attention.c.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def load(path: Path) -> ctypes.CDLL:
 
 # Every kernel has a vector route for these (AVX-512 machines have them too); without them the portable C
 # routes are slower than torch (measured on an AVX2 machine: bf16 GEMV 16x, decode attention 7x), so the
-# library is not used there. attend_blocks alone needs AVX-512 and refuses otherwise (torch attends).
+# library is not used there.
 REQUIRED_FEATURES = frozenset({"avx2", "fma", "f16c"})
 
 
@@ -205,7 +205,7 @@ _default = Loader()
 
 def features(lib: ctypes.CDLL) -> frozenset[str]:
     """The instruction sets the library was compiled for (names of FEATURE_BITS); the kernels pick their vector
-    routes at compile time, so some (attention blocks) exist only with AVX-512 and refuse otherwise."""
+    routes at compile time (AVX-512 where it is there, else AVX2 + FMA)."""
     bits = lib.poot_features()
     return frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
 

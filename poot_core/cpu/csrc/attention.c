@@ -127,6 +127,15 @@ static inline __m512 tanh16(__m512 x) {
     return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 
+/* Keys first_key + j, j < n_keys, of one key/value head (kb: its cache rows) laid out for tile(): feature e of
+   key first_key + j at kt[e * ld + j]. Keys from end_key on (masked anyway) read as zeros. */
+static void transpose_keys(const float *kb, int64_t first_key, int64_t end_key, int64_t n_keys, int64_t d,
+                           float *kt, int64_t ld) {
+    for (int64_t j = 0; j < n_keys; j++)
+        for (int64_t e = 0; e < d; e++)
+            kt[e * ld + j] = first_key + j < end_key ? kb[(first_key + j) * d + e] : 0.0f;
+}
+
 /* One tile: up to QB queries (rows q, positions p[i]) of one head against keys [k0, k0 + KB) of its key/value
    head; kt: those keys transposed, kt[d * ld + j]; v: the value rows. Updates the online softmax state. */
 static void tile(const float *q, int64_t q_stride, int nq, const int64_t *p, int64_t k0, int64_t first_key,
@@ -188,17 +197,162 @@ static void tile(const float *q, int64_t q_stride, int nq, const int64_t *p, int
         for (int i = 0; i < QB; i++) _mm512_storeu_ps(o + i * d + c0, oa[i]);
     }
 }
+#elif POOT_AVX2
+#define QB 4   /* queries per tile, as on AVX-512 */
+#define KB 64  /* keys per tile: 8 vectors of 8, met 16 at a time (11 registers: 8 sums, 2 keys, a query) */
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1), vectorized through exp8 */
+static inline __m256 tanh8(__m256 x) {
+    __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.0f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+}
+
+/* The largest of the 8 lanes of v. */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* Rows r[0..8) of 8 floats become its columns: r[n][m] = r[m][n] before. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int m = 0; m < 8; m += 2) {
+        t[m] = _mm256_unpacklo_ps(r[m], r[m + 1]);
+        t[m + 1] = _mm256_unpackhi_ps(r[m], r[m + 1]);
+    }
+    for (int m = 0; m < 8; m += 4) {
+        s[m] = _mm256_shuffle_ps(t[m], t[m + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[m + 1] = _mm256_shuffle_ps(t[m], t[m + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[m + 2] = _mm256_shuffle_ps(t[m + 1], t[m + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[m + 3] = _mm256_shuffle_ps(t[m + 1], t[m + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int n = 0; n < 4; n++) {
+        r[n] = _mm256_permute2f128_ps(s[n], s[n + 4], 0x20);
+        r[n + 4] = _mm256_permute2f128_ps(s[n], s[n + 4], 0x31);
+    }
+}
+
+/* Keys first_key + j, j < n_keys (a multiple of 16), of one key/value head (kb: its cache rows) laid out for
+   tile(): in groups of 16 keys, each group d rows of 16 (feature e of key first_key + j at
+   kt[((j / 16) * d + e) * 16 + j % 16]), so that a pass over 16 keys reads one contiguous block. Keys from
+   end_key on (masked anyway) read as zeros. ld is unused (the AVX-512 layout's row length). */
+static void transpose_keys(const float *kb, int64_t first_key, int64_t end_key, int64_t n_keys, int64_t d,
+                           float *kt, int64_t ld) {
+    (void)ld;
+    static const float zeros[8];
+    for (int64_t j = 0; j < n_keys; j += 8)
+        for (int64_t e = 0; e < d; e += 8) {
+            __m256 r[8];
+            for (int m = 0; m < 8; m++)
+                r[m] = _mm256_loadu_ps(first_key + j + m < end_key ? kb + (first_key + j + m) * d + e : zeros);
+            transpose8(r);
+            for (int n = 0; n < 8; n++) _mm256_storeu_ps(kt + ((j / 16) * d + e + n) * 16 + j % 16, r[n]);
+        }
+}
+
+/* The AVX-512 tile's work (see there) in 256-bit vectors: the 4 x 64 scores in four passes of 4 x 16 (kt in
+   the layout of transpose_keys above). */
+static void tile(const float *q, int64_t q_stride, int nq, const int64_t *p, int64_t k0, int64_t first_key,
+                 int64_t window, const float *kt, int64_t ld, const float *v, int64_t d, float scale, float softcap,
+                 float *top, float *total, float *o) {
+    __m256 sc[QB][KB / 8];
+    (void)ld;
+    const float *qi[QB];  /* rows past nq repeat the first: their scores are never read */
+    for (int i = 0; i < QB; i++) qi[i] = q + (i < nq ? i : 0) * q_stride;
+    /* keys of the tile the last query sees: passes of 16 keys past them are not computed (masked below) and
+       their value rows not read */
+    const int64_t reach = p[nq - 1] - k0 + 1 < KB ? p[nq - 1] - k0 + 1 : KB;
+    const int passes = (int)((reach + 15) / 16);
+    for (int i = 0; i < QB; i++)
+        for (int c = 2 * passes; c < KB / 8; c++) sc[i][c] = _mm256_setzero_ps();
+    for (int c = 0; c < 2 * passes; c += 2) {
+        __m256 acc[QB][2];
+        for (int i = 0; i < QB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        const float *col = kt + ((k0 - first_key) / KB * 4 + c / 2) * d * 16;
+        for (int64_t e = 0; e < d; e++) {
+            __m256 ka = _mm256_loadu_ps(col + e * 16), kb = _mm256_loadu_ps(col + e * 16 + 8);
+            POOT_ROUNDED(ka); POOT_ROUNDED(kb);  /* in registers: gcc would load them again for each query */
+            for (int i = 0; i < QB; i++) {
+                const __m256 qe = _mm256_broadcast_ss(qi[i] + e);
+                acc[i][0] = _mm256_fmadd_ps(qe, ka, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qe, kb, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < QB; i++) { sc[i][c] = acc[i][0]; sc[i][c + 1] = acc[i][1]; }
+    }
+    float w[QB][KB];
+    for (int i = 0; i < nq; i++) {
+        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+        const float last = (float)(p[i] - k0), lowest = window > 0 ? (float)(p[i] - window + 1 - k0) : -1e30f;
+        const int whole = last >= KB - 1 && lowest <= 0.0f;  /* every key of the tile is visible: no mask */
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < KB / 8; c++) {
+            __m256 s = _mm256_mul_ps(sc[i][c], _mm256_set1_ps(scale));
+            if (softcap > 0.0f)
+                s = _mm256_mul_ps(tanh8(_mm256_div_ps(s, _mm256_set1_ps(softcap))), _mm256_set1_ps(softcap));
+            if (!whole) {
+                const __m256 at = _mm256_add_ps(lane, _mm256_set1_ps((float)(8 * c)));
+                const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(at, _mm256_set1_ps(last), _CMP_LE_OQ),
+                                                  _mm256_cmp_ps(at, _mm256_set1_ps(lowest), _CMP_GE_OQ));
+                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep);
+            }
+            sc[i][c] = s;
+            best = _mm256_max_ps(best, s);
+        }
+        const float tile_top = hmax8(best);
+        if (tile_top == -INFINITY) {  /* no key of this tile is visible to this query */
+            for (int j = 0; j < KB; j++) w[i][j] = 0.0f;
+            continue;
+        }
+        const float new_top = tile_top > top[i] ? tile_top : top[i];
+        const float shrink = top[i] == -INFINITY ? 0.0f : expf(top[i] - new_top);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < KB / 8; c++) {
+            __m256 e = exp8(_mm256_sub_ps(sc[i][c], _mm256_set1_ps(new_top)));
+            _mm256_storeu_ps(w[i] + 8 * c, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        total[i] = total[i] * shrink + hsum8(sum);
+        top[i] = new_top;
+        if (shrink != 1.0f)
+            for (int64_t e = 0; e < d; e++) o[i * d + e] *= shrink;
+    }
+    for (int i = nq; i < QB; i++)
+        for (int j = 0; j < KB; j++) w[i][j] = 0.0f;
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {  /* o[i, c0:c0+16] += sum_j w[i][j] * v[j, c0:c0+16] */
+        __m256 oa[QB][2];
+        for (int i = 0; i < QB; i++) {
+            oa[i][0] = _mm256_loadu_ps(o + i * d + c0);
+            oa[i][1] = _mm256_loadu_ps(o + i * d + c0 + 8);
+        }
+        for (int j = 0; j < reach; j++) {
+            __m256 va = _mm256_loadu_ps(v + j * d + c0), vb = _mm256_loadu_ps(v + j * d + c0 + 8);
+            POOT_ROUNDED(va); POOT_ROUNDED(vb);
+            for (int i = 0; i < QB; i++) {
+                const __m256 wij = _mm256_broadcast_ss(&w[i][j]);
+                oa[i][0] = _mm256_fmadd_ps(wij, va, oa[i][0]);
+                oa[i][1] = _mm256_fmadd_ps(wij, vb, oa[i][1]);
+            }
+        }
+        for (int i = 0; i < QB; i++) {
+            _mm256_storeu_ps(o + i * d + c0, oa[i][0]);
+            _mm256_storeu_ps(o + i * d + c0 + 8, oa[i][1]);
+        }
+    }
+}
 #endif
 
 /* Prefill attention for d % 16 == 0 (keys and values of one size d): q [R, T, Hq, d] with token rows
    q_stride apart, the caches [R, Hkv, C, d] already holding this step's keys and values, positions [R, T]
    consecutive per row. out [R, T, Hq, d]. scratch: per thread, d * (C + KB) floats for the transposed keys.
-   Returns 0, or -1 where AVX-512 is missing (the caller uses torch). */
+   Returns 0, or -1 where neither AVX-512 nor AVX2 + FMA is there (the caller uses torch). */
 int poot_attend_blocks(const float *q, int64_t q_stride, int64_t rows, int64_t tokens, int64_t heads,
                        int64_t kv_heads, int64_t d, const float *k_cache, const float *v_cache, int64_t capacity,
                        const int64_t *positions, float scale, int64_t window, float softcap, float *out,
                        float *scratch, int threads) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || POOT_AVX2
     const int64_t group = heads / kv_heads, chunk = 64, chunks = (tokens + chunk - 1) / chunk;
     const int64_t units = rows * kv_heads * chunks, ld = capacity + KB;
     /* big chunks first: the last queries of a causal prompt see the most keys */
@@ -214,9 +368,7 @@ int poot_attend_blocks(const float *q, int64_t q_stride, int64_t rows, int64_t t
         const int64_t end_key = last + 1, n_keys = ((end_key - first_key + KB - 1) / KB) * KB;
         const float *kb = k_cache + (r * kv_heads + g) * capacity * d;
         const float *vb = v_cache + (r * kv_heads + g) * capacity * d;
-        for (int64_t j = 0; j < n_keys; j++)  /* transpose; keys past the end (masked anyway) read as zeros */
-            for (int64_t e = 0; e < d; e++)
-                kt[e * ld + j] = first_key + j < end_key ? kb[(first_key + j) * d + e] : 0.0f;
+        transpose_keys(kb, first_key, end_key, n_keys, d, kt, ld);
         for (int64_t hh = 0; hh < group; hh++) {
             const int64_t h = g * group + hh;
             for (int64_t t = t0; t < t1; t += QB) {
