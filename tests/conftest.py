@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# The one place the Triton mode is chosen, for the whole run (triton.jit reads it when a kernel is decorated, so a
+# test module setting it would decide for every module imported after it): without a GPU the kernels run in
+# Triton's interpreter; with one they are compiled for it, unless TRITON_INTERPRET=1 is given.
 if not torch.cuda.is_available():
-    # No GPU: Triton kernels run in its interpreter. Set before anything decorates a kernel.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 try:  # triton must load before lavapipe's Vulkan driver: each bundles its own LLVM, and the other order crashes
     import triton  # noqa: F401
@@ -22,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import tiny  # noqa: E402
+from helpers import tiny  # noqa: E402
 
 torch.set_num_threads(1)  # test workers run side by side (pytest -n 2): one thread each avoids oversubscription
 
@@ -41,3 +44,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
         return _BUILT[key]
 
     return make
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "interpreter: Triton kernels on CPU tensors, run only under TRITON_INTERPRET=1 (the default without a GPU)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TRITON_INTERPRETED:
+        return
+    skip = pytest.mark.skip(reason="Triton kernels are compiled for the GPU in this run; TRITON_INTERPRET=1 runs this")
+    for item in items:
+        if item.get_closest_marker("interpreter"):
+            item.add_marker(skip)

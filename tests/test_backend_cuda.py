@@ -8,15 +8,9 @@ decode steps replayed from CUDA graphs.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 from poot_backend_cuda.executor import CudaExecutor  # noqa: E402

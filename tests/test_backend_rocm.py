@@ -19,10 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-if __name__ != "__main__" and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 import poot_backend_rocm.executor as rocm_executor  # noqa: E402
@@ -177,7 +173,7 @@ def compile_rocm(arch: str, checkpoints: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def aot_checkpoints(tiny_checkpoint) -> list[str]:
-    import smollm
+    from helpers import smollm
 
     dense = [tiny_checkpoint(f, d) for f, d in (("llama", torch.float32), ("llama", torch.bfloat16))]
     dense += [tiny_checkpoint(f, torch.bfloat16) for f in ("gemma3", "qwen3")]

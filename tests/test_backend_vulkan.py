@@ -16,7 +16,7 @@ try:  # triton bundles its own LLVM: imported after lavapipe has loaded Mesa's L
 except ImportError:
     pass
 
-import smollm
+from helpers import smollm
 from poot_core import (
     Driver,
     DriverOptions,
@@ -173,7 +173,7 @@ def test_refuses_rows_above_one_and_unknown_ops(tiny_checkpoint, vulkan):
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
-    import test_family_moe
+    from helpers import moe as test_family_moe
 
     made = {}
 

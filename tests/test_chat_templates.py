@@ -12,12 +12,13 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import smollm
+from helpers import smollm
+from helpers.paths import TESTDATA
 from poot_core import TemplateError
 from poot_core.text.chat import compile_template, looks_like_jinja
 from poot_core.text.chat_tokens import encode_segments
 
-TEMPLATES = Path(__file__).resolve().parent.parent / ".cache" / "testdata" / "llama.cpp" / "templates"
+TEMPLATES = TESTDATA / "llama.cpp" / "templates"
 BOS, EOS = "<s>", "</s>"
 
 TOOLS = [

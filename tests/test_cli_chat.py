@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-import smollm
+from helpers import smollm
 
 POOT = [sys.executable, "-m", "poot_core.cli.main", "generate"]
 

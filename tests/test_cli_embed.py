@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_encoders import DOCS, QUERY, _build_cross_encoder, minilm_path
 
+from helpers.encoders import DOCS, QUERY, build_cross_encoder, minilm_path
 from poot_core.cli.main import main
 from poot_core.executor import _safe_probe, installed_backends
 
@@ -63,7 +63,7 @@ def test_rerank_by_cosine(capsys, st_vectors):
 
 
 def test_rerank_with_a_cross_encoder(tmp_path, capsys):
-    model, fast = _build_cross_encoder(tmp_path, "bert")
+    model, fast = build_cross_encoder(tmp_path, "bert")
     batch = fast([QUERY] * len(DOCS), DOCS, padding=True, return_tensors="pt")
     with torch.no_grad():
         ref = model(**batch).logits[:, 0].numpy()

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import smollm
+from helpers import smollm
+from helpers.paths import ROOT
 from poot_core.checkpoint.gguf_file import GGUFFile
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).parent / "poot"  # the console command users run
 POOT = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "poot_cli"]
 

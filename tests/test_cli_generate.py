@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import smollm
+from helpers import smollm
+from helpers.paths import ROOT
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
 
 POOT = [sys.executable, "-m", "poot_core.cli.main"]
@@ -290,7 +291,7 @@ def test_sampling_flags_under_greedy_decoding_warn(model):
 
 
 def test_an_encoder_checkpoint_is_refused_with_what_to_use():
-    from test_encoders import minilm_path
+    from helpers.encoders import minilm_path
 
     out = poot("generate", "-m", str(minilm_path()), "-p", "hi", "-n", "1")
     assert out.returncode == 1 and "encoder model" in out.stderr and "poot embed" in out.stderr
@@ -342,7 +343,8 @@ print("\n" + json.dumps({"rc": rc, "grown": status("VmHWM") - before}))
 def test_resident_memory_with_defaults_on_a_32k_window_model(tmp_path):
     """The weights plus the default 4096-position KV cache, within 1.2x: not a cache for the whole 32k."""
     from gguf import GGUFReader
-    from test_cli_perplexity import gguf_copy
+
+    from helpers.gguf_edit import gguf_copy
 
     path = gguf_copy(smollm.gguf_path(), tmp_path / "long.gguf", **{"llama.context_length": 32768})
     meta = GGUFReader(path).fields
@@ -364,7 +366,7 @@ def test_resident_memory_with_defaults_on_a_32k_window_model(tmp_path):
 
 
 def test_the_readme_python_example_runs_as_it_says(tmp_path):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     assert 'scripts/default_model.py' in code  # it says where its model comes from
     example = tmp_path / "example.py"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import smollm
+from helpers import smollm
+from helpers.gguf_edit import gguf_copy
 
 POOT = [sys.executable, "-m", "poot_core.cli.main", "perplexity"]
 CTX, CHUNKS = 128, 3
@@ -35,18 +35,6 @@ def text_file() -> Path:
     return path
 
 
-def gguf_copy(source: Path, target: Path, **fields: object) -> Path:
-    """A copy of a GGUF file with some scalar metadata values changed in place (gguf's own reader)."""
-    from gguf import GGUFReader
-
-    shutil.copyfile(source, target)
-    reader = GGUFReader(target, "r+")
-    for key, value in fields.items():
-        field = reader.get_field(key)
-        assert field is not None, key
-        field.parts[field.data[0]][0] = value
-    del reader
-    return target
 
 
 def reference(logits_of, tokens: list[int], bos: int | None) -> tuple[float, float]:

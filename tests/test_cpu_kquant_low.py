@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_gguf_tiny_models as tiny_models
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-import tiny
+from helpers import gguf_models as tiny_models
+from helpers import tiny
 from poot_core import Driver, DriverOptions, ModelHandle, open_executor
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels

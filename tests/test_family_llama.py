@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-import tiny
+from helpers import tiny
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, StepShape, open_executor
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]

@@ -16,7 +16,7 @@ Honest adjustments to what the converter can express, each as real checkpoints h
   6th layer as global and 1/sqrt(head_dim): the tiny gemma3 has that pattern and scalar, as released ones.
 - DeepSeek V3's released config.json says `scoring_func: sigmoid`, which the converter turns into the
   gating key; transformers' own config does not write it, so the test adds it.
-- The converter's pre-tokenizer check: see tests/llama_cpp_convert.py.
+- The converter's pre-tokenizer check: see tests/helpers/llama_cpp_convert.py.
 - Vocabulary size: the converter asserts every id AutoTokenizer gives is below vocab_size, and transformers 5
   loads a qwen2 directory with Qwen2Tokenizer, which adds <|endoftext|> after the trained ids; gemma3's
   converter keeps only as many embedding rows as tokenizer.json lists. Every model's vocab_size is that count.
@@ -40,9 +40,10 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from test_family_moe import moe_config
 
-import tiny
+from helpers import tiny
+from helpers.moe import moe_config
+from helpers.paths import TESTDATA
 from poot_core import (
     Driver,
     DriverOptions,
@@ -53,7 +54,7 @@ from poot_core import (
     weight_kind,
 )
 
-CONVERTER = Path(__file__).resolve().parent.parent / ".cache" / "testdata" / "llama.cpp" / "convert"
+CONVERTER = TESTDATA / "llama.cpp" / "convert"
 pytestmark = pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").is_file(),
                                 reason="llama.cpp's converter not fetched: run scripts/fetch_test_data.py")
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # longer than the chunk (16) and gemma's window (8)
@@ -165,7 +166,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, P
             made[arch][name] = root / f"{arch}-{name.replace('.gguf', '')}.gguf"
             jobs.append({"src": str(src), "outtype": outtype, "out": str(made[arch][name])})
     (root / "jobs.json").write_text(json.dumps(jobs))
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
+    run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return made

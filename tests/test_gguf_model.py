@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-import smollm
-import tiny
+from helpers import smollm, tiny
+from helpers.paths import ROOT, TESTS
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Reason, Unsupported, open_executor
 
 
@@ -68,7 +68,7 @@ def test_resident_memory_stays_near_file_size():
     import sys
 
     code = (
-        "import sys; sys.path.insert(0, 'tests'); import smollm\n"
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); from helpers import smollm\n"
         "from poot_core import ModelHandle, Driver, DriverOptions, open_executor\n"
         "import poot_core.checkpoint.gguf_load, poot_core.checkpoint.gguf_file, poot_core.text.gguf_vocab\n"
         "import poot_core.cpu.executor, poot_core.cpu.packed_linear  # code is not load memory\n"
@@ -91,7 +91,7 @@ def test_resident_memory_stays_near_file_size():
         "print(anonymous() - before, mapped(str(smollm.gguf_path())))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr
     copied, mapped = (int(v) for v in out.stdout.strip().splitlines()[-1].split())
     size = smollm.gguf_path().stat().st_size

@@ -17,10 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.paths import TESTDATA
 from poot_core.errors import CheckpointError, PootError, Reason, Unsupported
 from poot_core.text.gguf_vocab import CONTROL, USER_DEFINED, vocabulary_from_gguf
 
-VOCAB_DIR = Path(__file__).resolve().parent.parent / ".cache" / "testdata" / "llama.cpp" / "vocab"
+VOCAB_DIR = TESTDATA / "llama.cpp" / "vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # Tokenizer models poot does not build yet; their files must be refused with a typed error.
 NOT_SUPPORTED: dict[str, str] = {}  # vocab name -> tokenizer model name (none left)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.quant_pack import e4m3_to_float, pack_along_cols, pack_along_rows
 from poot_core.checkpoint.quant import dequantize, packed_from_safetensors, supported_kinds
 from poot_core.cpu.packed_linear import packed_linear
 from poot_core.errors import CheckpointError, Unsupported
@@ -24,22 +25,6 @@ def getter(tensors: dict[str, np.ndarray | torch.Tensor]):
     return get
 
 
-def pack_along_rows(q: np.ndarray, bits: int) -> np.ndarray:
-    """[r, c] codes -> int32 [r * bits / 32, c]: value i of a word from row i, lowest bits first."""
-    per = 32 // bits
-    out = np.zeros((q.shape[0] // per, q.shape[1]), dtype=np.uint32)
-    for i in range(per):
-        out |= q[i::per].astype(np.uint32) << np.uint32(bits * i)
-    return out.view(np.int32)
-
-
-def pack_along_cols(q: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
-    per = 32 // bits
-    order = order or list(range(per))
-    out = np.zeros((q.shape[0], q.shape[1] // per), dtype=np.uint32)
-    for i in range(per):  # slot i of each word holds column order[i] of its group
-        out |= q[:, order[i] :: per].astype(np.uint32) << np.uint32(bits * i)
-    return out.view(np.int32)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -116,13 +101,6 @@ def test_awq_gemm(group_size: int) -> None:
     torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
 
 
-def e4m3_to_float(bits: np.ndarray) -> np.ndarray:
-    """float8 e4m3fn bytes -> float32, from the format: 1 sign, 4 exponent (bias 7), 3 mantissa, S.1111.111 NaN."""
-    b = bits.astype(np.int64)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    exp, man = (b >> 3) & 0xF, b & 7
-    value = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
-    return np.where((b & 0x7F) == 0x7F, np.nan, sign * value).astype(np.float32)
 
 
 def fp8_weight(rng: np.random.Generator, out_f: int, in_f: int) -> np.ndarray:
@@ -288,7 +266,7 @@ def test_tiny_llama_quantized_checkpoint_matches_float_reference(tmp_path, schem
 
     from safetensors.torch import load_file, save_file
 
-    import tiny
+    from helpers import tiny
     from poot_core import Driver, DriverOptions, ModelHandle, open_executor
 
     source = tiny.build(tmp_path / "float", "llama", seed=4)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-import smollm
-import tiny
+from helpers import smollm, tiny
+from helpers.paths import ROOT
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
 
 
@@ -54,7 +54,6 @@ def test_bf16_copy_logits_within_bound(reference):
 def test_bf16_copy_stays_bf16_and_resident_memory_near_file_size():
     """The bf16 checkpoint is computed from where it lies: after a forward pass, resident memory has grown by
     about the file (mapped pages), not by a float32 copy of it (2x)."""
-    import os
     import subprocess
     import sys
 
@@ -72,7 +71,7 @@ def test_bf16_copy_stays_bf16_and_resident_memory_near_file_size():
         "print(p.memory_info().rss - before)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr
     grown = int(out.stdout.strip().splitlines()[-1])
     assert grown <= 1.3 * (path / "model.safetensors").stat().st_size, grown

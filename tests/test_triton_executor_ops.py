@@ -7,19 +7,13 @@ latent attention, and BERT-style encoders (layer norm, bidirectional attention w
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import test_encoders  # noqa: E402
-import test_family_moe  # noqa: E402
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
+from helpers import encoders as test_encoders  # noqa: E402
+from helpers import moe as test_family_moe  # noqa: E402
 from poot_core import (  # noqa: E402
     CrossEncoder,
     Driver,
@@ -141,7 +135,7 @@ def test_latent_cache_holds_latent_and_rope_key_only(moe_checkpoint):
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
 def test_cross_encoder_matches_cpu(tmp_path, arch):
     """layer_norm, encoder_attention over padded rows, gelu (erf) and gelu_tanh activations."""
-    test_encoders._build_cross_encoder(tmp_path, arch)
+    test_encoders.build_cross_encoder(tmp_path, arch)
     ref = CrossEncoder.load(tmp_path, open_executor("cpu"), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     ours = CrossEncoder.load(tmp_path, interpreted_executor(), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     assert ours.shape == ref.shape
@@ -213,7 +207,7 @@ def test_moe_and_latent_attention_match_cpu_on_the_gpu(moe_checkpoint, arch, chu
 def test_cross_encoder_matches_cpu_on_the_gpu(tmp_path):
     from poot_backend_cuda.executor import CudaExecutor
 
-    test_encoders._build_cross_encoder(tmp_path, "bert")
+    test_encoders.build_cross_encoder(tmp_path, "bert")
     ref = CrossEncoder.load(tmp_path, open_executor("cpu"), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     ours = CrossEncoder.load(tmp_path, CudaExecutor(), rows=4).logits(test_encoders.QUERY, test_encoders.DOCS)
     assert float(np.linalg.norm(ours - ref) / np.linalg.norm(ref)) <= 1e-2

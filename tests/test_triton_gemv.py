@@ -4,16 +4,13 @@ plain integer unpacking)."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 
 import poot_kernels_triton as ktr  # noqa: E402
 from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402

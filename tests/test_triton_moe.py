@@ -3,14 +3,8 @@ through the package's tested `linear` and activation."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 from poot_kernels_triton import moe  # noqa: E402

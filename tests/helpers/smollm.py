@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import ROOT
+
 CACHE = ROOT / ".cache" / "models"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
