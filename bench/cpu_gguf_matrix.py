@@ -318,6 +318,9 @@ def main() -> int:
                                   "mix": tensor_mix(path)}
             entries[file_type]["seconds"] = time.perf_counter() - started
             print(row(file_type, entries[file_type]), flush=True)
+        for kind in ("decode", "prefill"):
+            below = [f"{t} {e[kind + '_ratio']:.2f}x" for t, e in entries.items() if e[kind + "_ratio"] < 1.0]
+            print(f"{kind} below llama.cpp: {', '.join(below) or 'none'}")
         print("resident memory after load and the warm-up prompt (anonymous includes the K/V cache written):")
         for file_type, entry in entries.items():
             print(f"  {file_type:<7} {memory_text(entry)}")
