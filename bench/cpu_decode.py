@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402
-import smollm  # noqa: E402
+from helpers import smollm  # noqa: E402
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128

@@ -8,7 +8,7 @@ converted by llama.cpp's own convert_hf_to_gguf.py (unpacked by scripts/fetch_te
 then written in each type by llama.cpp's quantizer (llama_cpp.llama_model_quantize), so each file holds the
 mix of block types llama.cpp chooses for it. Two models:
 
-  smollm2    SmolLM2-135M-Instruct, real weights: the float32 copy tests/smollm.py makes (hidden 576: most
+  smollm2    SmolLM2-135M-Instruct, real weights: the float32 copy tests/helpers/smollm.py makes (hidden 576: most
              rows are not a multiple of 256, so llama.cpp falls back from K-quants to Q5_0/Q5_1/Q8_0/IQ4_NL)
   llama2048  a random llama (seed 0): hidden 2048, intermediate 5632, 4 layers, 32 heads / 4 K/V heads,
              vocab 32000 (llama's SentencePiece vocabulary from llama.cpp's test data), untied head: every
@@ -63,7 +63,7 @@ def _hf_checkpoint(model: str) -> Path:
     import torch
 
     if model == "smollm2":
-        import smollm
+        from helpers import smollm
 
         return smollm.safetensors_copy(torch.float32)
     target = CACHE / model / "hf"

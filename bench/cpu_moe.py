@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402
-import tiny  # noqa: E402
+from helpers import tiny  # noqa: E402
 
 EXPERTS, TOP_K = 8, 2
 
