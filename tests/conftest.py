@@ -14,7 +14,6 @@ import torch
 # Triton's interpreter; with one they are compiled for it, unless TRITON_INTERPRET=1 is given.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 try:  # triton must load before lavapipe's Vulkan driver: each bundles its own LLVM, and the other order crashes
     import triton  # noqa: F401
@@ -26,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from helpers import tiny  # noqa: E402
+from helpers.triton_mode import interpreted  # noqa: E402
 
 torch.set_num_threads(1)  # test workers run side by side (pytest -n 2): one thread each avoids oversubscription
 
@@ -54,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if TRITON_INTERPRETED:
+    if interpreted():
         return
     skip = pytest.mark.skip(reason="Triton kernels are compiled for the GPU in this run; TRITON_INTERPRET=1 runs this")
     for item in items:

@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers.paths import ROOT
+
 try:
     import poot_backend_vulkan.kernels  # noqa: F401
 except ImportError:  # the distribution is not installed yet: use the checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backend_vulkan"))
+    sys.path.insert(0, str(ROOT / "plugins" / "backend_vulkan"))
 
 from gguf import GGMLQuantizationType, quants
 
