@@ -250,7 +250,7 @@ def measure(path: Path, threads: int, prompt_tokens: int, new_tokens: int, round
 
 
 HEADER = (f"{'type':<7} {'MiB':>6} {'floor':>6} | {'decode poot':>11} {'llama':>7} {'ratio':>6} | "
-          f"{'prefill poot':>12} {'llama':>7} {'ratio':>6}")
+          f"{'prefill poot':>12} {'llama':>7} {'ratio':>6} | load")
 
 
 def row(file_type: str, r: dict[str, Any]) -> str:
@@ -317,7 +317,8 @@ def main() -> int:
             entries[file_type] = {**measure(path, args.threads, prompt_tokens, new_tokens, args.rounds),
                                   "mix": tensor_mix(path)}
             entries[file_type]["seconds"] = time.perf_counter() - started
-            print(row(file_type, entries[file_type]), flush=True)
+            entries[file_type]["load_average_1min"] = os.getloadavg()[0]  # others' work on a shared machine
+            print(f"{row(file_type, entries[file_type])} | {os.getloadavg()[0]:4.1f}", flush=True)
         for kind in ("decode", "prefill"):
             below = [f"{t} {e[kind + '_ratio']:.2f}x" for t, e in entries.items() if e[kind + "_ratio"] < 1.0]
             print(f"{kind} below llama.cpp: {', '.join(below) or 'none'}")
