@@ -239,7 +239,7 @@ def test_verbose_prompt_shows_the_rendered_prompt_and_its_tokens(model):
 def test_ignore_eos_generates_through_the_end_of_turn_marker():
     """SmolLM2's reply ends at <|im_end|>; with --ignore-eos it goes on for the -n asked."""
     gguf = str(smollm.gguf_path())
-    args = ["generate", "-m", gguf, "-p", "Say hello.", "--json", "-c", "256"]
+    args = ["generate", "-m", gguf, "-p", "Say hello.", "--json", "-c", "256", "-t", "1"]
     first = json.loads(poot(*args, "-n", "48").stdout)
     assert first["stop_reason"] in ("eos", "stop") and len(first["tokens"]) < 48
     through = json.loads(poot(*args, "-n", str(len(first["tokens"]) + 4), "--ignore-eos").stdout)

@@ -56,7 +56,7 @@ def reference(logits_of, tokens: list[int], bos: int | None) -> tuple[float, flo
 
 
 def _ours(model: Path, text_file: Path) -> dict:
-    out = poot("-m", str(model), "-f", str(text_file), "-c", str(CTX), "--chunks", str(CHUNKS), "--json")
+    out = poot("-m", str(model), "-f", str(text_file), "-c", str(CTX), "--chunks", str(CHUNKS), "--json", "-t", "1")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -99,7 +99,7 @@ def test_agrees_with_transformers_on_the_bf16_copy(text_file):
             return net(torch.tensor([chunk])).logits[0].numpy()
 
     ppl, _ = reference(logits_of, tokens, None)
-    out = poot("-m", str(model), "-f", str(text_file), "-c", str(CTX), "--chunks", str(CHUNKS))
+    out = poot("-m", str(model), "-f", str(text_file), "-c", str(CTX), "--chunks", str(CHUNKS), "-t", "1")
     assert out.returncode == 0, out.stderr
     running, final = out.stdout.strip().splitlines()
     assert re.fullmatch(r"(\[\d\]\d+\.\d{4},){3}", running)
