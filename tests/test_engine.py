@@ -144,7 +144,7 @@ def llama(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    from test_family_moe import build
+    from helpers.moe import build
 
     return _load(build(tmp_path_factory.mktemp("mixtral"), "mixtral", torch.float32))
 
@@ -157,6 +157,14 @@ def test_batch_equals_each_request_alone(llama):
 
 def test_moe_with_sliding_window_batch_equals_alone(mixtral):
     _run_case(mixtral, kv_blocks=400)
+
+
+def test_latent_attention_pages_its_latent(tmp_path_factory):
+    from helpers.moe import build
+
+    handle = _load(build(tmp_path_factory.mktemp("deepseek_v2"), "deepseek_v2", torch.float32))
+    engine = _run_case(handle, count=8, kv_blocks=24, prefix_cache=False)  # small enough to preempt too
+    assert engine.counters().preemptions > 0
 
 
 def test_tiny_pool_preempts_and_still_gives_the_same_tokens(llama):

@@ -43,12 +43,13 @@ class CpuProgram:
     def __init__(self, graph: Graph, weights: dict[str, Weight]) -> None:
         self.graph = graph
         bound: dict[int, StepFn] = {}
+        paged = graph.shape.paging is not None
         # linears over back-to-back weights that read one input: one product, at the first one's place
         for group in fusion.adjacent_groups(graph.nodes, weights):
             runner = graph.nodes[min(group)]
             source = graph.nodes[group[0]].inputs[0].name
             bound[min(group)] = fusion.bind_group([graph.nodes[i] for i in group], runner, weights,
-                                                  lambda e, s, name=source: e[name])
+                                                  lambda e, s, name=source: e[name], rowwise=paged)
             for i in group:
                 if i != min(group):
                     bound[i] = _computed_by_another(graph.nodes[i].output)
@@ -64,7 +65,7 @@ class CpuProgram:
                 bound[q_rope] = bound[k_rope] = _folded  # rotated inside the attention step
                 reads[i] = (qn.inputs[0], kn.inputs[0], *att.inputs[2:])
                 reads[q_rope] = reads[k_rope] = ()
-        binder = _Binder(weights)
+        binder = _Binder(weights, rowwise=paged)
         self._steps = [(node.output, bound.get(i) or binder.dispatch(node)) for i, node in enumerate(graph.nodes)]
         # After each step, the values no later step reads: dropping them lets torch reuse their memory.
         self._dead = passes.dead_after(graph, reads)
@@ -177,8 +178,9 @@ Arg = Callable[[Env, dict[str, torch.Tensor]], Any]
 class _Binder:
     """One node -> a function of (env, state), through its op's handler. Weights are looked up once, here."""
 
-    def __init__(self, weights: dict[str, Weight]) -> None:
+    def __init__(self, weights: dict[str, Weight], rowwise: bool = False) -> None:
         self.weights = weights
+        self.rowwise = rowwise  # serving steps: see fusion.by_few_rows
         self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, "cpu")
 
     def get(self, ref: Ref | None) -> Any:
@@ -248,6 +250,8 @@ class _Binder:
 
             return linear16
         product = few_rows_product(weight) if isinstance(weight, PackedWeight) and bias_ref is None else None
+        if product is not None and self.rowwise:
+            product = fusion.by_few_rows(product)
         if product is not None:  # decode: the C kernel with its plan made once
 
             def packed(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
