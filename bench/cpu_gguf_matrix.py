@@ -19,7 +19,8 @@ count against the other), with the same thread count and the same prompt ids: on
 alternating between the two, best of each. Printed: decode tok/s (new tokens after the prompt) and prefill
 tok/s of the prompt (512 tokens; --quick: 128 and 16 new tokens), their ratios, the memory floor (file bytes
 over half the measured copy bandwidth: a copy reads and writes, decode only reads), poot's resident memory
-after load and warm-up against the file size, and the block types each file really holds. JSON goes to
+after load and warm-up against the file size, the block types each file really holds, and the machine's
+load average beside each file (the development machine is shared: figures under load are noisy). JSON goes to
 bench/results/cpu_gguf_matrix.json (--quick: cpu_gguf_matrix_quick.json).
 """
 
@@ -283,6 +284,7 @@ def main() -> int:
     parser.add_argument("--types", type=lambda v: _names(v, TYPES), default=list(TYPES), help="comma-separated")
     parser.add_argument("--models", type=lambda v: _names(v, MODELS), default=list(MODELS), help="comma-separated")
     parser.add_argument("--quick", action="store_true", help="128-token prompt, 16 new tokens")
+    parser.add_argument("--new-tokens", type=int, help="decode this many tokens (default 128, --quick 16)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per engine (best of them)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine")
     parser.add_argument("--prepare", action="store_true", help="only make the files and print their block types")
@@ -298,8 +300,10 @@ def main() -> int:
         return 0
 
     prompt_tokens, new_tokens = (128, 16) if args.quick else (512, 128)
+    new_tokens = args.new_tokens or new_tokens
     results: dict[str, Any] = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": args.rounds,
                                "engine_threads": args.threads, "llama2048": LLAMA2048, "models": {}}
+    name = "cpu_gguf_matrix_quick" if args.quick else "cpu_gguf_matrix"
     t0 = time.perf_counter()
     for model in args.models:
         files = {t: gguf_file(model, t, args.threads) for t in args.types}  # all made before any timing
@@ -311,7 +315,7 @@ def main() -> int:
         print(f"\n{model}: prompt {prompt_tokens} tokens, {new_tokens} new, {args.threads} threads each, "
               f"best of {args.rounds} alternating rounds; floor = decode tok/s at half the copy bandwidth")
         print(HEADER, flush=True)
-        entries: dict[str, Any] = {}
+        entries: dict[str, Any] = results["models"].setdefault(model, {})
         for file_type, path in files.items():
             started = time.perf_counter()
             entries[file_type] = {**measure(path, args.threads, prompt_tokens, new_tokens, args.rounds),
@@ -319,6 +323,7 @@ def main() -> int:
             entries[file_type]["seconds"] = time.perf_counter() - started
             entries[file_type]["load_average_1min"] = os.getloadavg()[0]  # others' work on a shared machine
             print(f"{row(file_type, entries[file_type])} | {os.getloadavg()[0]:4.1f}", flush=True)
+            common.write(name, results)  # after each file: a long run stopped half-way keeps what it measured
         for kind in ("decode", "prefill"):
             below = [f"{t} {e[kind + '_ratio']:.2f}x" for t, e in entries.items() if e[kind + "_ratio"] < 1.0]
             print(f"{kind} below llama.cpp: {', '.join(below) or 'none'}")
@@ -328,11 +333,8 @@ def main() -> int:
         print("block types by bytes (tensor count):")
         for file_type, entry in entries.items():
             print(f"  {file_type:<7} {mix_text(entry['mix'])}")
-        results["models"][model] = entries
-    if args.prepare:
-        return 0
-    name = "cpu_gguf_matrix_quick" if args.quick else "cpu_gguf_matrix"
-    print(f"\n{time.perf_counter() - t0:.0f} s; wrote {common.write(name, results)}")
+    if not args.prepare:
+        print(f"\n{time.perf_counter() - t0:.0f} s; wrote {common.write(name, results)}")
     return 0
 
 
