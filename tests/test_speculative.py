@@ -1,0 +1,293 @@
+"""Speculative decoding: with every draft policy the greedy output is the plain output token for token (every
+family, prompts that repeat and prompts that do not, stops, end of sequence, callbacks and max_new inside an
+accepted run, the CPU executor and the Triton executor under its interpreter); sampled tokens keep the
+target's distribution (chi-square over seeded draws); bad policies are refused before any tensor is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from helpers import moe, tiny
+from poot_core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Generation,
+    GenerationControl,
+    ModelHandle,
+    RequestError,
+    Sampler,
+    open_executor,
+)
+from poot_core.driver.speculation import DraftPolicy
+
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
+PLAIN = [(5 * i + 11) % 240 + 3 for i in range(24)]  # no token twice
+PROBES = [REPEATING, "The capital of France is Paris. The capital of Italy is", "Once upon a time there was a cat"]
+OPTIONS = dict(capacity=160, prefill_chunk=16)
+
+_BUILT: dict[tuple[str, int], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch, seed) -> a tiny float32 checkpoint of any family; seeds give other weights, one vocabulary."""
+
+    def make(arch: str, seed: int = 0) -> Path:
+        key = (arch, seed)
+        if key not in _BUILT:
+            path = tmp_path_factory.mktemp(f"{arch}-{seed}")
+            builder = moe.build if arch in MOE else tiny.build
+            _BUILT[key] = builder(path, arch, torch.float32, seed)
+        return _BUILT[key]
+
+    return make
+
+
+def _policies(handle: ModelHandle, other: ModelHandle) -> dict[str, object]:
+    return {
+        "lookup": DraftPolicy.PromptLookup(),
+        "lookup-k3-bigram": DraftPolicy.PromptLookup(max_ngram=2, min_ngram=2, k=3),
+        "self-draft": DraftPolicy.DraftModel(handle, k=4),  # proposes the target's own tokens: all kept
+        "other-draft": DraftPolicy.DraftModel(other, k=3),  # other weights: mostly rejected
+    }
+
+
+def _generate(handle, draft, request, executor=None, on_token=None):
+    options = DriverOptions(**OPTIONS, draft=draft)
+    return Driver(handle, executor or open_executor("cpu"), options).generate(request, on_token)
+
+
+@pytest.mark.parametrize("arch", DENSE + MOE)
+def test_greedy_output_is_the_plain_output_with_every_policy(checkpoint, arch):
+    handle = ModelHandle.load(checkpoint(arch))
+    other = ModelHandle.load(checkpoint(arch, seed=1))
+    ex = open_executor("cpu")
+    proposed = accepted = 0
+    for prompt in (handle.text().encode(REPEATING), PLAIN):
+        request = GenerateRequest(prompt, max_new=40)
+        plain = _generate(handle, DraftPolicy.OFF, request, ex)
+        for name, draft in _policies(handle, other).items():
+            spec = _generate(handle, draft, request, ex)
+            assert (spec.tokens, spec.text, spec.stop_reason) == (plain.tokens, plain.text, plain.stop_reason), name
+            t = spec.timings
+            assert t.proposed >= t.accepted and t.verify_steps > 0, name
+            if name == "self-draft":
+                assert t.acceptance_rate == 1.0
+            proposed, accepted = proposed + t.proposed, accepted + t.accepted
+    assert 0 < accepted < proposed  # runs were kept and proposals rejected (and rolled back) on the way
+
+
+def _first_fresh(items: list, ok: list[bool]) -> int | None:
+    """An index 1..4 whose item did not come earlier (and ok there): under a self-draft of k=4 the first verify
+    step yields indices 1..5 (four kept proposals, then the target's own token), so a stop there falls inside
+    the run."""
+    return next((i for i in range(1, 5) if items[i] not in items[:i] and ok[i]), None)
+
+
+def _with_eos(path: Path, dest: Path, eos: int) -> Path:
+    shutil.copytree(path, dest)
+    (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, eos]}))
+    return dest
+
+
+def _probe(handle: ModelHandle, ex, sampler: Sampler) -> tuple[list[int], Generation, list[str], int, int]:
+    """The first probe prompt whose plain output has, early on, a fresh token (no stop id up to it) and a
+    fresh streamed piece (not in the text before it): where an end of sequence and a stop string will go."""
+    stop_ids = set(handle.text().vocab.stop_ids) | set(handle.config().eos_ids)
+    for text in PROBES:
+        prompt = handle.text().encode(text)
+        pieces: list[str] = []
+        request = GenerateRequest(prompt, max_new=12, sampler=sampler, ignore_eos=True)
+        first = _generate(handle, DraftPolicy.OFF, request, ex, lambda t, p, seen=pieces: seen.append(p))
+        toks, texts = first.tokens, ["".join(pieces[:i]) for i in range(len(pieces))]
+        at_eos = _first_fresh(toks, [not stop_ids & set(toks[: i + 1]) for i in range(len(toks))])
+        at_stop = _first_fresh(pieces, [bool(p) and p not in texts[i] + p[:-1] for i, p in enumerate(pieces)])
+        if at_eos is not None and at_stop is not None:
+            return prompt, first, pieces, at_eos, at_stop
+    raise AssertionError(f"no probe prompt gives {handle.family.name} a fresh token and piece early on")
+
+
+@pytest.mark.parametrize("arch", DENSE + MOE)
+def test_stops_eos_max_new_and_callbacks_inside_an_accepted_run(checkpoint, arch, tmp_path):
+    path = checkpoint(arch)
+    handle = ModelHandle.load(path)
+    ex = open_executor("cpu")
+    # Temperature 0 with a strong repeat penalty: deterministic picks that do not settle on one token.
+    sampler = Sampler(temperature=0.0, repeat_penalty=3.0)
+    prompt, first, pieces, at_eos, at_stop = _probe(handle, ex, sampler)
+    eos_handle = ModelHandle.load(_with_eos(path, tmp_path / "eos", first.tokens[at_eos]))
+    cases = {  # name: (handle, request, break after this many tokens, where it must end)
+        "eos": (eos_handle, GenerateRequest(prompt, max_new=12, sampler=sampler), None, at_eos),
+        "stop": (handle, GenerateRequest(prompt, max_new=12, sampler=sampler, stops=[pieces[at_stop]],
+                                         ignore_eos=True), None, at_stop),
+        "length": (handle, GenerateRequest(prompt, max_new=4, sampler=sampler, ignore_eos=True), None, 3),
+        "callback": (handle, GenerateRequest(prompt, max_new=12, sampler=sampler, ignore_eos=True), 3, 2),
+    }
+    for name, (h, request, break_after, end) in cases.items():
+        def run(draft, h=h, request=request, break_after=break_after):
+            seen: list[tuple[int, str]] = []
+
+            def on_token(token: int, piece: str) -> GenerationControl:
+                seen.append((token, piece))
+                done = break_after is not None and len(seen) == break_after
+                return GenerationControl.BREAK if done else GenerationControl.CONTINUE
+
+            return _generate(h, draft, request, ex, on_token), seen
+
+        plain, plain_seen = run(DraftPolicy.OFF)
+        spec, spec_seen = run(DraftPolicy.DraftModel(h, k=4))
+        assert plain.stop_reason == name and len(plain.tokens) == end + 1, name
+        assert (spec.tokens, spec.text, spec.stop_reason) == (plain.tokens, plain.text, plain.stop_reason), name
+        assert spec_seen == plain_seen, name  # the same callbacks, piece by piece
+        # It ended in the first verify step: inside its run of kept proposals, or (length) at its end, the
+        # proposal cut to what the limit leaves.
+        assert spec.timings.verify_steps == 1, name
+        assert spec.timings.accepted >= end if name != "length" else spec.timings.proposed == end - 1, name
+
+
+def test_rejected_positions_are_rolled_back_for_the_next_request(checkpoint):
+    """After speculative requests with rejections, a follow-up that reuses the cached prefix decodes what a
+    fresh driver decodes: the cache bookkeeping holds only tokens whose K/V is in place."""
+    handle = ModelHandle.load(checkpoint("mistral"))
+    other = ModelHandle.load(checkpoint("mistral", seed=1))
+    ex = open_executor("cpu")
+    driver = Driver(handle, ex, DriverOptions(**OPTIONS, draft=DraftPolicy.DraftModel(other, k=4)))
+    prompt = handle.text().encode(REPEATING)
+    first = driver.generate(GenerateRequest(prompt, max_new=30, ignore_eos=True))
+    assert first.timings.proposed > first.timings.accepted  # some proposals were rejected
+    follow = prompt + first.tokens[:-1] + PLAIN[:5]
+    again = driver.generate(GenerateRequest(follow, max_new=20, ignore_eos=True))
+    assert again.timings.reused_tokens == len(prompt) + len(first.tokens) - 1
+    fresh = _generate(handle, DraftPolicy.OFF, GenerateRequest(follow, max_new=20, ignore_eos=True), ex)
+    assert again.tokens == fresh.tokens
+    np.testing.assert_array_equal(driver.logits(follow), Driver(handle, ex, DriverOptions(**OPTIONS)).logits(follow))
+
+
+@pytest.mark.interpreter
+def test_triton_executor_under_the_interpreter(checkpoint):
+    pytest.importorskip("triton")
+    from poot_kernels_triton.executor import TritonExecutor
+
+    handle = ModelHandle.load(checkpoint("qwen2"))
+    ex = TritonExecutor.on_interpreter()  # slow: a short prompt, a few tokens
+    request = GenerateRequest(handle.text().encode("a + b\na + b\na + b\na +"), max_new=8)
+    plain = _generate(handle, DraftPolicy.OFF, request, ex)
+    assert plain.tokens == _generate(handle, DraftPolicy.OFF, request).tokens  # the CPU executor agrees
+    # Prompt lookup, and a draft model on another executor (the CPU) than the target's.
+    for draft in (DraftPolicy.PromptLookup(k=3), DraftPolicy.DraftModel(handle, k=3, executor=open_executor("cpu"))):
+        spec = _generate(handle, draft, request, ex)
+        assert spec.tokens == plain.tokens and spec.timings.accepted > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_tensors_are_read(checkpoint, tmp_path, monkeypatch):
+    target = ModelHandle.load(checkpoint("llama"))
+    other_tokens = tmp_path / "other-tokens"
+    shutil.copytree(checkpoint("llama"), other_tokens)
+    tiny.save_tokenizer(other_tokens, vocab_size=320)  # same config, a tokenizer with merges
+    other_size = tmp_path / "other-size"
+    shutil.copytree(checkpoint("llama"), other_size)
+    config = json.loads((other_size / "config.json").read_text())
+    (other_size / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+
+    def no_reads(self, name):
+        raise AssertionError(f"tensor {name} read before the refusal")
+
+    monkeypatch.setattr(type(target.store()), "get", no_reads)
+    for path in (other_tokens, other_size):
+        draft = DraftPolicy.DraftModel(ModelHandle.load(path), k=4)
+        with pytest.raises(RequestError, match="tokenizer"):
+            Driver(target, open_executor("cpu"), DriverOptions(**OPTIONS, draft=draft))
+    with pytest.raises(RequestError):
+        DraftPolicy.PromptLookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(RequestError):
+        DraftPolicy.DraftModel(target, k=0)
+
+
+# --- sampling: the rejection rule keeps the target's distribution ------------------------------------------
+def _sampler(seed: int) -> Sampler:
+    return Sampler(temperature=0.8, top_k=3, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=seed)
+
+
+def _exact_joint(driver: Driver, prompt: list[int], n: int) -> dict[tuple[int, ...], float]:
+    """P(next n tokens) of the plain sampler, enumerated in float64 from the model's logits: repeat penalty over
+    the history, the 3 largest, softmax at temperature 0.8 (written out here, not the Sampler's code)."""
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for seq, p in joint.items():
+            history = prompt + list(seq)
+            x = driver.logits(history)[-1].astype(np.float64)
+            recent = np.unique(history[-64:])
+            x[recent] = np.where(x[recent] > 0, x[recent] / 1.3, x[recent] * 1.3)
+            top = np.argsort(-x)[:3]
+            e = np.exp((x[top] - x[top].max()) / 0.8)
+            for t, q in zip(top, e / e.sum(), strict=True):
+                grown[(*seq, int(t))] = p * q
+        joint = grown
+    return joint
+
+
+def _chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float], draws: int) -> float:
+    """Goodness of fit of the observed outcomes to `joint`; outcomes expected fewer than 5 times, and any
+    outside joint's support, pooled into one bin."""
+    keys = [k for k in sorted(joint, key=lambda k: -joint[k]) if joint[k] * draws >= 5]
+    expected = np.array([joint[k] * draws for k in keys] + [draws - sum(joint[k] * draws for k in keys)])
+    observed = np.array([counts.get(k, 0) for k in keys] + [draws - sum(counts.get(k, 0) for k in keys)])
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+def _perturbed(path: Path, dest: Path, noise: float) -> Path:
+    """A copy of a checkpoint with noise added to every weight: a draft whose distribution overlaps the
+    target's without equalling it (random weights of another seed share almost no likely token with it)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    g = torch.Generator().manual_seed(3)
+    tensors = load_file(dest / "model.safetensors")
+    tensors = {k: v + noise * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+               for k, v in tensors.items()}
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("policy", ["lookup", "draft"])
+def test_sampling_keeps_the_target_distribution(checkpoint, policy, tmp_path):
+    handle = ModelHandle.load(checkpoint("llama"))
+    other = ModelHandle.load(_perturbed(checkpoint("llama"), tmp_path / "noisy", 0.3))
+    ex = open_executor("cpu")
+    options = DriverOptions(capacity=48, prefill_chunk=32)
+    seed_prompt = handle.text().encode("The capital of")
+    # The prompt ends with the model's own greedy continuation, so that prompt lookup finds likely proposals.
+    prompt = seed_prompt + Driver(handle, ex, options).generate(GenerateRequest(seed_prompt, max_new=10)).tokens
+    draft = (DraftPolicy.PromptLookup(max_ngram=2, k=3) if policy == "lookup"
+             else DraftPolicy.DraftModel(other, k=3))
+    spec = Driver(handle, ex, DriverOptions(capacity=48, prefill_chunk=32, draft=draft))
+    n, draws = 4, 2000
+    counts: dict[tuple[int, ...], int] = {}
+    proposed = accepted = 0
+    for seed in range(draws):
+        g = spec.generate(GenerateRequest(prompt, max_new=n, sampler=_sampler(seed), ignore_eos=True))
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+        proposed, accepted = proposed + g.timings.proposed, accepted + g.timings.accepted
+    assert proposed > draws // 2 and 0 < accepted < proposed  # the rule both kept and rejected proposals
+    joint = _exact_joint(Driver(handle, ex, options), prompt, n)
+    assert set(counts) <= set(joint), "a draw outside the target's support"
+    assert _chi_square_p(counts, joint, draws) > 1e-3
+    if policy == "draft":
+        # The same test tells the draft model's own distribution apart from the target's: it can fail.
+        drafting = Driver(other, ex, options)
+        q_counts: dict[tuple[int, ...], int] = {}
+        for seed in range(draws // 4):
+            g = drafting.generate(GenerateRequest(prompt, max_new=n, sampler=_sampler(seed), ignore_eos=True))
+            q_counts[tuple(g.tokens)] = q_counts.get(tuple(g.tokens), 0) + 1
+        assert _chi_square_p(q_counts, joint, draws // 4) < 1e-6
