@@ -1,12 +1,16 @@
-"""GPU decode and prefill of a Llama-3-8B-shaped model on the cuda backend, beside the floor and transformers.
+"""GPU decode and prefill of a Llama-3-8B-shaped model on the cuda backend, every weight layout, beside the
+floor and transformers, with the shipped launch settings (no tuning run: what a fresh process gets).
 
-Weights are random, built directly on the GPU (bf16, and 4-bit Q4_K / GPTQ when asked). Prints, in one run:
-the device-to-device copy bandwidth (the floor for a step that reads every weight once), a GEMV tile sweep
-per projection shape, poot's decode tok/s and achieved GB/s (prompt 128, 256 new tokens, greedy on the
-device, decode steps replayed from CUDA graphs), poot's prefill tok/s at 2048 tokens, and transformers'
-static-cache torch.compile decode and its prefill on the same shape.
+Weights are random and built directly on the GPU in the layout as a file stores it (bf16; GGUF blocks;
+GPTQ/AWQ parts; FP8 with its scales), then uploaded as the executor uploads any checkpoint. The embedding
+table and the output head stay bf16 in every variant, so the layouts differ in the 32 layers only. Prints,
+in one run: the device-to-device copy bandwidth; per layout poot's decode tok/s (prompt 128, 256 new tokens,
+greedy on the device, decode steps replayed from CUDA graphs), the bytes a step reads and the achieved GB/s,
+the floor (those bytes at the copy bandwidth), prefill tok/s at 2048 tokens; transformers' static-cache
+decode and its prefill on the bf16 shape.
 
-    python bench/gpu_decode.py --out results.json [--quant q4_k,gptq] [--no-hf] [--layers 32]
+    python bench/gpu_decode.py --out results.json [--layouts bf16,gptq4,...] [--no-hf] [--layers 32]
+    python bench/gpu_decode.py --sweep 240 --out sweep.json   # planes GEMV tiles by layout and shape class
 """
 
 from __future__ import annotations
@@ -38,6 +42,24 @@ HF_LLAMA3_8B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+
+# bench name -> stored kind; the issue's list, in its order
+LAYOUTS = {
+    "bf16": "bfloat16",
+    "q8_0": "gguf.Q8_0",
+    "q6_k": "gguf.Q6_K",
+    "q5_k": "gguf.Q5_K",
+    "q5_0": "gguf.Q5_0",
+    "q4_k": "gguf.Q4_K",
+    "q4_0": "gguf.Q4_0",
+    "iq4_xs": "gguf.IQ4_XS",
+    "gptq4": "gptq.4",
+    "awq4": "awq.4",
+    "fp8": "fp8.channel",
+}
+HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_K": (256, 176),
+               "Q6_K": (256, 210), "IQ4_XS": (256, 136)}  # fmt: skip
 
 
 def log(*args: Any) -> None:
@@ -79,52 +101,71 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
-# --- weights ---------------------------------------------------------------------------------------------
+# --- weights, as files store them ------------------------------------------------------------------------
 
 
-def q4k_blocks(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Random Q4_K blocks with finite small f16 d and dmin, on the GPU."""
-    per_row = cols // 256
-    b = torch.randint(0, 256, (rows, per_row, 144), dtype=torch.uint8, device="cuda", generator=gen)
-    d = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).cuda()
-    b[:, :, 0:2] = d
-    b[:, :, 2:4] = d
-    return b.reshape(rows, per_row * 144)
+def random_weight(kind: str, rows: int, cols: int, gen: torch.Generator) -> Any:
+    """A random [rows, cols] matrix in `kind`'s stored form, on the GPU: valid scales, random codes."""
+    from poot_core import PackedWeight
 
-
-def gptq_parts(rows: int, cols: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    groups = cols // 128
+    if kind == "bfloat16":
+        return torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").normal_(0.0, 0.02, generator=gen)
     big = 2**31 - 1
-    return {
-        "qweight": torch.randint(-big, big, (cols // 8, rows), dtype=torch.int32, device="cuda", generator=gen),
-        "qzeros": torch.randint(-big, big, (groups, rows // 8), dtype=torch.int32, device="cuda", generator=gen),
-        "scales": torch.full((groups, rows), 0.001, dtype=torch.float16, device="cuda"),
-        "g_idx": (torch.arange(cols, device="cuda", dtype=torch.int32) // 128),
-    }
+    if kind.startswith("gguf."):
+        t = kind.removeprefix("gguf.")
+        elems, size = GGUF_BLOCKS[t]
+        b = torch.randint(0, 256, (rows, cols // elems, size), dtype=torch.uint8, device="cuda", generator=gen)
+        d = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).cuda()
+        for off in HALF_FIELDS[t]:
+            b[:, :, off : off + 2] = d
+        return PackedWeight("gguf", (rows, cols), {"blocks": b.reshape(rows, -1)}, {"type": t})
+    if kind in ("gptq.4", "awq.4"):
+        groups = cols // 128
+        scales = torch.full((groups, rows), 0.001, dtype=torch.float16, device="cuda")
+        if kind == "gptq.4":
+            parts = {
+                "qweight": torch.randint(-big, big, (cols // 8, rows), dtype=torch.int32, device="cuda",
+                                         generator=gen),
+                "qzeros": torch.randint(-big, big, (groups, rows // 8), dtype=torch.int32, device="cuda",
+                                        generator=gen),
+                "scales": scales,
+                "g_idx": torch.arange(cols, device="cuda", dtype=torch.int32) // 128,
+            }
+            return PackedWeight("gptq", (rows, cols), parts, {"bits": 4, "group_size": 128, "desc_act": False})
+        parts = {
+            "qweight": torch.randint(-big, big, (cols, rows // 8), dtype=torch.int32, device="cuda", generator=gen),
+            "qzeros": torch.randint(-big, big, (groups, rows // 8), dtype=torch.int32, device="cuda", generator=gen),
+            "scales": scales,
+        }
+        return PackedWeight("awq", (rows, cols), parts, {"bits": 4, "group_size": 128, "version": "gemm"})
+    if kind == "fp8.channel":
+        codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device="cuda", generator=gen)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes ^ 1, codes)  # no NaN codes
+        scale = torch.full((rows, 1), 1e-4, dtype=torch.float32, device="cuda")
+        return PackedWeight("fp8", (rows, cols), {"weight": codes.view(torch.float8_e4m3fn), "scale": scale},
+                            {"granularity": "channel"})  # fmt: skip
+    raise ValueError(kind)
+
+
+def stored_bytes(w: Any) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(t.numel() * t.element_size() for t in w.parts.values())
 
 
 class GpuStore:
     """A WeightStore stand-in whose tensors are already on the GPU (upload then moves nothing)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], quant: str | None, seed: int = 0) -> None:
-        from poot_core import PackedWeight
-
+    def __init__(self, shapes: dict[str, tuple[int, ...]], kind: str, seed: int = 0) -> None:
         self.w: dict[str, Any] = {}
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for name, shape in shapes.items():
             matrix = len(shape) == 2 and "embed" not in name and "lm_head" not in name
             if len(shape) == 1:
                 self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-            elif matrix and quant == "q4_k":
-                blocks = q4k_blocks(shape[0], shape[1], gen)
-                self.w[name] = PackedWeight("gguf", shape, {"blocks": blocks}, {"type": "Q4_K"})
-            elif matrix and quant == "gptq":
-                meta = {"bits": 4, "group_size": 128, "sym": False, "desc_act": False}
-                self.w[name] = PackedWeight("gptq", shape, gptq_parts(shape[0], shape[1], gen), meta)
             else:
-                t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-                t.normal_(0.0, 0.02, generator=gen)
-                self.w[name] = t
+                self.w[name] = random_weight(kind if matrix else "bfloat16", shape[0], shape[1], gen)
+        self.layer_bytes = sum(stored_bytes(w) for n, w in self.w.items() if ".layers." in n)
 
     def names(self) -> list[str]:
         return list(self.w)
@@ -163,135 +204,7 @@ def llama_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# --- GEMV sweep ------------------------------------------------------------------------------------------
-
-
-def rotation(ws: list[torch.Tensor]) -> Any:
-    """A function returning the next of several weight copies (so timing reads memory, not the L2)."""
-    i = [0]
-
-    def nxt() -> torch.Tensor:
-        i[0] = (i[0] + 1) % len(ws)
-        return ws[i[0]]
-
-    return nxt
-
-
-DENSE_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3)]
-Q4K_TILES = [(8, 256, 4, 2), (16, 256, 4, 2), (16, 512, 4, 2), (8, 512, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2)]
-GPTQ_TILES = [(64, 128, 4, 2), (128, 128, 4, 2), (256, 128, 8, 2), (128, 64, 4, 2), (64, 64, 2, 2)]
-SPLITS = [1, 2, 4, 8, 16]
-
-
-def sweep_shape(kind: str, label: str, n: int, k: int, make, tiles, splits, bandwidth: float) -> dict[str, Any]:
-    """Time one GEMV shape over tiles x splits (inside a CUDA graph, weights rotated past the L2); check
-    each against the same weight through the GEMM route (5 rows, independently tested); install the best."""
-    import poot_kernels_triton as ktr
-    from poot_kernels_triton import matmul
-    from poot_kernels_triton.tuning import Tile
-
-    first, nbytes = make()
-    copies = max(1, int(200e6 // nbytes))
-    ws = [first] + [make()[0] for _ in range(copies - 1)]
-    nxt = rotation(ws)
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-    ref = ktr.linear(x.expand(5, k).contiguous(), ws[0])[0:1].float()  # GEMM route
-    rows = []
-    for bn, bk, warps, stages in tiles:
-        for split in splits:
-            tile = Tile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split)
-            matmul.GEMV_OVERRIDE[kind] = tile
-            try:
-                got = ktr.linear(x, ws[0]).float()
-                err = float((got - ref).norm() / ref.norm())
-                us = graph_us(lambda: ktr.linear(x, nxt()))
-                rows.append((us, tile, err))
-            except Exception as exc:  # a tile that fails to compile is skipped, reported
-                log(f"  {kind} {label} tile {tile} failed: {type(exc).__name__}: {str(exc)[:300]}")
-    matmul.GEMV_OVERRIDE.pop(kind, None)
-    default_us = graph_us(lambda: ktr.linear(x, nxt()))
-    ok = [r for r in rows if r[2] < 2e-2]
-    best_us, best, best_err = min(ok or rows, key=lambda r: r[0])
-    matmul.GEMV_TILES[(kind, n, k)] = best
-    worst_err = max(r[2] for r in rows)
-    rep = {
-        "n": n,
-        "k": k,
-        "bytes": nbytes,
-        "best_tile": [best.block_n, best.block_k, best.num_warps, best.num_stages, best.split_k],
-        "best_us": best_us,
-        "best_GBps": nbytes / (best_us * 1e-6) / 1e9,
-        "fraction_of_copy": nbytes / (best_us * 1e-6) / 1e9 / bandwidth,
-        "default_us": default_us,
-        "rel_err": best_err,
-        "worst_rel_err": worst_err,
-        "all": [
-            {"tile": [t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k], "us": u, "err": e}
-            for u, t, e in rows
-        ],
-    }
-    extra = ""
-    if kind == "dense":
-        cublas = graph_us(lambda: torch.nn.functional.linear(x, nxt()))
-        rep["torch_cublas_us"] = cublas
-        extra = f" (cuBLAS {cublas:6.1f} us)"
-    log(
-        f"  {kind:5s} {label:8s} n={n:6d} k={k:5d}: best {best.block_n}x{best.block_k} w{best.num_warps} "
-        f"s{best.num_stages} split {best.split_k} {best_us:7.1f} us {rep['best_GBps']:6.0f} GB/s "
-        f"({100 * rep['fraction_of_copy']:.0f}% of copy; default {default_us:6.1f} us){extra} err {best_err:.1e} "
-        f"(worst {worst_err:.1e}) floor {nbytes / bandwidth / 1e3:6.1f} us"
-    )
-    return rep
-
-
-def projection_shapes(hf: dict[str, Any], quant: str | None) -> dict[str, tuple[int, int]]:
-    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
-    if quant == "gptq":  # GPTQ weights are not concatenated: q, k, v and gate, up run alone
-        return {"q": (d, d), "k_v": (kv, d), "o": (d, d), "gate|up": (f, d), "down": (d, f)}
-    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f)}
-    if quant is None:
-        shapes["lm_head"] = (v, d)
-    return shapes
-
-
-def gemv_sweep(hf: dict[str, Any], bandwidth: float, quant: str | None) -> dict[str, Any]:
-    """Sweep every projection shape of one weight kind; the best tiles stay installed for the decode run."""
-    from poot_core import PackedWeight
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    report: dict[str, Any] = {}
-    for label, (n, k) in projection_shapes(hf, quant).items():
-        if quant is None:
-            kind, tiles = "dense", DENSE_TILES
-
-            def make(n=n, k=k):
-                w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
-                return w, n * k * 2
-
-        elif quant == "q4_k":
-            kind, tiles = "q4_k", Q4K_TILES
-
-            def make(n=n, k=k):
-                blocks = q4k_blocks(n, k, gen)
-                return PackedWeight("gguf", (n, k), {"blocks": blocks}, {"type": "Q4_K"}), blocks.numel()
-
-        else:
-            kind, tiles = "gptq", GPTQ_TILES
-
-            def make(n=n, k=k):
-                parts = gptq_parts(n, k, gen)
-                meta = {"bits": 4, "group_size": 128, "sym": False, "desc_act": False}
-                size = sum(t.numel() * t.element_size() for t in parts.values())
-                return PackedWeight("gptq", (n, k), parts, meta), size
-
-        splits = [1] if label == "lm_head" else SPLITS
-        report[label] = sweep_shape(kind, label, n, k, make, tiles[:3] if label == "lm_head" else tiles,
-                                    splits, bandwidth)  # fmt: skip
-    return report
-
-
-def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 5) -> dict[str, float]:
+def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 3) -> dict[str, float]:
     """Device microseconds per decode step by kernel name (eager steps under the profiler; kernel times
     match the replayed graph's, the launch gaps do not)."""
     from torch.profiler import ProfilerActivity, profile
@@ -317,21 +230,23 @@ def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 5)
 # --- poot ------------------------------------------------------------------------------------------------
 
 
-def poot_run(
-    hf: dict[str, Any], quant: str | None, prompt: int, new: int, prefill: int, bandwidth: float
-) -> dict[str, Any]:
+def poot_run(hf: dict[str, Any], name: str, prompt: int, new: int, prefill: int, bandwidth: float,
+             profile: bool) -> dict[str, Any]:  # fmt: skip
     from poot_backend_cuda.executor import CudaExecutor
     from poot_family_llama.plugin import DenseDecoder
 
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
     config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    store = GpuStore(llama_shapes(hf), quant)
+    t0 = time.perf_counter()
+    store = GpuStore(llama_shapes(hf), LAYOUTS[name])
+    file_layer_bytes = store.layer_bytes
     ex = CudaExecutor()
     weights = ex.upload(store)
     del store
+    torch.cuda.synchronize()
+    upload_s = time.perf_counter() - t0
     weight_bytes = weights.nbytes()
     capacity = max(prompt + new, prefill)
-
     program = common.step_programs(family, config, ex, weights, {n: tuple(w.shape) for n, w in
                                                                   weights.tensors.items()}, capacity)
     pre, graph = program(prompt)
@@ -340,60 +255,171 @@ def poot_run(
     rng = np.random.default_rng(0)
     ids = rng.integers(0, hf["vocab_size"], prompt)
 
-    def generate() -> tuple[float, float, list[int]]:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def generate() -> tuple[float, list[int]]:
         out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
         token = ex.greedy_token(out)
+        torch.cuda.synchronize()
         t1 = time.perf_counter()
         toks = [token]
         for step in range(new - 1):
-            pos = prompt + step
-            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[pos]])})[0]
+            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
             token = ex.greedy_token(out)
             toks.append(token)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, toks
+        return time.perf_counter() - t1, toks
 
+    t0 = time.perf_counter()
     generate()  # compiles kernels and captures the decode graph
-    runs = [generate() for _ in range(3)]
-    decode_s = statistics.median(r[1] for r in runs)
+    first_s = time.perf_counter() - t0
+    runs = [generate() for _ in range(2)]
+    decode_s = min(r[0] for r in runs)
     decode_tok_s = (new - 1) / decode_s
     # KV read per step grows with the position; count its mean with the weights
     kv_bytes = 2 * hf["num_hidden_layers"] * (hf["num_key_value_heads"] * 128) * 2 * (prompt + new / 2)
-    step_bytes = weight_bytes - hf["vocab_size"] * hf["hidden_size"] * 2 + kv_bytes  # the embed table is not read
+    embed_bytes = hf["vocab_size"] * hf["hidden_size"] * 2  # the table is not read, one row is
+    step_bytes = weight_bytes - embed_bytes + kv_bytes
+    floor = bandwidth * 1e9 / step_bytes
     result = {
-        "quant": quant or "bf16",
+        "layout": name,
+        "kind": LAYOUTS[name],
         "weight_GB": weight_bytes / 1e9,
+        "layer_GB_as_stored": file_layer_bytes / 1e9,
+        "step_GB": step_bytes / 1e9,
+        "upload_s": upload_s,
+        "first_generate_s": first_s,
         "decode_tok_s": decode_tok_s,
         "decode_ms_per_token": 1e3 / decode_tok_s,
         "achieved_GBps": step_bytes * decode_tok_s / 1e9,
-        "floor_tok_s": bandwidth * 1e9 / step_bytes,
-        "fraction_of_floor": decode_tok_s / (bandwidth * 1e9 / step_bytes),
-        "tokens_deterministic": runs[0][2] == runs[1][2],
+        "floor_tok_s": floor,
+        "fraction_of_floor": decode_tok_s / floor,
+        "tokens_deterministic": runs[0][1] == runs[1][1],
     }
-    # one replayed step alone, timed on the device (no host work): what the kernels take
     step_inputs = {"tokens": np.array([[1]]), "positions": np.array([[prompt + new // 2]])}
-    result["graph_step_ms"] = events_ms(lambda: dec._cuda_graph.replay(), reps=50)
-    dec.run(state, step_inputs)
-    try:
-        prof = kernel_profile(dec, state, step_inputs)
-        result["kernel_us_per_step"] = prof
-        result["kernel_us_total"] = sum(prof.values())
-        log(
-            f"  {quant or 'bf16'} step by kernel (us): "
-            + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(prof.items())[:12])
-        )
-    except Exception as exc:  # the profile is a diagnosis, never a reason to lose the run
-        result["kernel_profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    result["graph_step_ms"] = events_ms(lambda: dec._cuda_graph.replay(), reps=30)
+    if profile:
+        try:
+            prof = kernel_profile(dec, state, step_inputs)
+            result["kernel_us_per_step"] = prof
+            log(f"  {name} step by kernel (us): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(prof.items())[:8]))
+        except Exception as exc:  # the profile is a diagnosis, never a reason to lose the run
+            result["kernel_profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
     if prefill:
         big, _ = program(prefill)
         ids2 = rng.integers(0, hf["vocab_size"], prefill)
         inputs = {"tokens": ids2[None, :], "positions": np.arange(prefill)[None, :]}
-        ms = events_ms(lambda: big.run(state, inputs), reps=5, warmup=2)
+        ms = events_ms(lambda: big.run(state, inputs), reps=3, warmup=1)
         result["prefill_tokens"] = prefill
         result["prefill_tok_s"] = prefill / (ms * 1e-3)
     return result
+
+
+# --- planes GEMV sweep (not part of the headline: it finds the tiles tuning.py ships) ---------------------
+
+SWEEP_TILES = [(256, 1), (512, 2), (1024, 4), (128, 1), (512, 4)]  # (block_n, warps)
+SWEEP_SPLITS = [1, 2, 4, 8, 16, 32]
+
+
+def sweep_one(kind: str, label: str, n: int, k: int, gen: torch.Generator, bandwidth: float) -> dict[str, Any]:
+    """One layout and shape over SWEEP_TILES x SWEEP_SPLITS, each tile checked against the GEMM route."""
+    import poot_kernels_triton as ktr
+    from poot_kernels_triton import matmul, relayout
+    from poot_kernels_triton.tuning import Tile
+
+    first = relayout.to_planes(random_weight(kind, n, k, gen))
+    nbytes = sum(t.numel() * t.element_size() for t in first.parts.values())
+    ws = [first] + [relayout.to_planes(random_weight(kind, n, k, gen)) for _ in range(max(0, int(2e8 // nbytes)))]
+    turn = [0]
+
+    def step() -> None:
+        turn[0] = (turn[0] + 1) % len(ws)
+        ktr.linear(x, ws[turn[0]])
+
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    ref = ktr.linear(x.expand(8, k).contiguous(), ws[0])[0:1].float()  # the GEMM route
+    default_us = graph_us(step)
+    rows = []
+    for bn, warps in SWEEP_TILES:
+        for split in SWEEP_SPLITS:
+            matmul.GEMV_OVERRIDE["planes"] = Tile(block_n=bn, block_k=128, num_warps=warps, num_stages=1,
+                                                  split_k=split)  # fmt: skip
+            try:
+                err = float((ktr.linear(x, ws[0]).float() - ref).norm() / ref.norm())
+                rows.append((graph_us(step), bn, warps, split, err))
+            except Exception as exc:  # a tile that fails to compile is skipped, reported
+                log(f"  {kind} {label} {bn}/{warps}/{split} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    matmul.GEMV_OVERRIDE.pop("planes", None)
+    best = min(rows, key=lambda r: r[0])
+    log(f"  sweep {kind:12s} {label:8s} default {default_us:6.1f} us ({nbytes / default_us / 1e3:5.0f} GB/s), "
+        f"best {best[1]}/{best[2]}w split {best[3]} {best[0]:6.1f} us ({nbytes / best[0] / 1e3:5.0f} GB/s, "
+        f"{100 * nbytes / best[0] / 1e3 / bandwidth:.0f}% of copy) err {best[4]:.1e}")
+    return {"n": n, "k": k, "bytes": nbytes, "default_us": default_us, "default_GBps": nbytes / default_us / 1e3,
+            "best": {"us": best[0], "block_n": best[1], "warps": best[2], "split": best[3],
+                     "GBps": nbytes / best[0] / 1e3, "err": best[4]}, "all": rows}  # fmt: skip
+
+
+def planes_sweep(hf: dict[str, Any], bandwidth: float, names: list[str], seconds: float) -> dict[str, Any]:
+    """Time the planes GEMV of each layout on the shape classes of the Llama-3-8B step (q/k/v joined,
+    o, gate/up joined, down) over tiles x splits, inside CUDA graphs on weights rotated past the L2."""
+    from poot_kernels_triton.tuning import shape_class
+
+    d, f = hf["hidden_size"], hf["intermediate_size"]
+    kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
+    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f)}
+    deadline = time.perf_counter() + seconds
+    report: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name in names:
+        kind = LAYOUTS[name]
+        if kind == "bfloat16":
+            continue
+        for label, (n, k) in shapes.items():
+            if time.perf_counter() > deadline:
+                report.setdefault("_stopped", f"time budget of {seconds} s spent before {name} {label}")
+                return report
+            entry = sweep_one(kind, label, n, k, gen, bandwidth)
+            entry["class"] = shape_class(n, k)
+            report[f"{kind}|{label}"] = entry
+            torch.cuda.empty_cache()
+    return report
+
+
+# --- compiling ahead, in parallel ---------------------------------------------------------------------------
+
+
+def step_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The matrices one decode step multiplies by, as the executor joins them (q/k/v, gate/up)."""
+    d, f = hf["hidden_size"], hf["intermediate_size"]
+    kv = hf["num_key_value_heads"] * d // hf["num_attention_heads"]
+    return {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f)}
+
+
+def warm_one(hf: dict[str, Any], name: str, rows: tuple[int, ...]) -> None:
+    """Compile (into Triton's on-disk cache) the GEMV and GEMM launches a layout's run will make."""
+    import poot_kernels_triton as ktr
+    from poot_kernels_triton.weights import to_device
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for n, k in step_shapes(hf).values():
+        w = to_device(random_weight(LAYOUTS[name], n, k, gen), torch.device("cuda"))
+        for m in rows:
+            ktr.linear(torch.zeros(m, k, dtype=torch.bfloat16, device="cuda"), w)
+    torch.cuda.synchronize()
+
+
+def warm_all(names: list[str], layers: int, prefill: int, prompt: int) -> float:
+    """Every packed layout's kernels compiled by one process each, side by side (the CPU has the cores; one
+    process compiles one kernel at a time). Returns the seconds it took."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm-one", name, "--layers", str(layers), "--prefill",
+                               str(prefill), "--prompt", str(prompt)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for name in names if LAYOUTS[name] != "bfloat16"]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate()
+        if p.returncode:
+            log(f"  warm-up {p.args[3]} failed: {err[-500:]}")
+    return time.perf_counter() - t0
 
 
 # --- transformers ----------------------------------------------------------------------------------------
@@ -427,26 +453,57 @@ def hf_run(hf: dict[str, Any], prompt: int, new: int, prefill: int, result: dict
         gen(new)
         gen(new)  # compiles prefill and decode graphs
         result["compile_s"] = time.perf_counter() - t
-        full = statistics.median(gen(new) for _ in range(3))
-        first = statistics.median(gen(1) for _ in range(3))
+        full = statistics.median(gen(new) for _ in range(2))
+        first = statistics.median(gen(1) for _ in range(2))
     result["decode_tok_s"] = (new - 1) / (full - first)
     result["generate_s"] = full
+
+
+def summary(out: dict[str, Any]) -> None:
+    bf16 = next((r for r in out["poot"] if r.get("layout") == "bf16" and "error" not in r), None)
+    log(f"\n=== Llama-3-8B shape, batch 1, prompt {out['prompt']}, {out['new_tokens']} new; defaults only ===")
+    log(f"copy bandwidth {out['copy_GBps']:.0f} GB/s; {out['device']}, torch {out['torch']}, triton {out['triton']}")
+    log(f"{'layout':8s} {'decode tok/s':>12s} {'GB/step':>8s} {'GB/s':>6s} {'floor':>7s} {'of floor':>8s} "
+        f"{'x bf16':>6s} {'prefill tok/s':>13s}")  # fmt: skip
+    for r in out["poot"]:
+        if "error" in r:
+            log(f"{r['layout']:8s} ERROR {r['error'][:200]}")
+            continue
+        ratio = r["decode_tok_s"] / bf16["decode_tok_s"] if bf16 else float("nan")
+        log(f"{r['layout']:8s} {r['decode_tok_s']:12.1f} {r['step_GB']:8.2f} {r['achieved_GBps']:6.0f} "
+            f"{r['floor_tok_s']:7.1f} {100 * r['fraction_of_floor']:7.0f}% {ratio:6.2f} "
+            f"{r.get('prefill_tok_s', 0):13.0f}")  # fmt: skip
+    t = out.get("transformers", {})
+    if t:
+        log(f"transformers bf16 (static cache, compiled): decode {t.get('decode_tok_s', 0):.1f} tok/s, prefill "
+            f"(eager sdpa) {t.get('prefill_tok_s_eager_sdpa', 0):.0f} tok/s" + (f"; {t['error'][:200]}" if "error" in t
+                                                                               else ""))  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--quant", default="", help="comma list of q4_k, gptq")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep", type=float, default=0.0, help="seconds for a planes GEMV tile sweep instead")
+    ap.add_argument("--profile", action="store_true", help="kernel times per decode step (eager, profiler)")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no layout after this, then transformers")
+    ap.add_argument("--hf-seconds", type=float, default=150.0, help="the budget's share kept for transformers")
+    ap.add_argument("--warm", action="store_true", help="compile every layout's kernels first, in parallel")
+    ap.add_argument("--warm-one", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=2048)
     args = ap.parse_args()
     hf = {**HF_LLAMA3_8B, "num_hidden_layers": args.layers}
+    if args.warm_one:
+        warm_one(hf, args.warm_one, (1, args.prompt, args.prefill))
+        return 0
     import triton
 
+    start = time.perf_counter()
+    names = [n for n in args.layouts.split(",") if n]
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -455,30 +512,36 @@ def main() -> int:
         "layers": args.layers,
         "prompt": args.prompt,
         "new_tokens": args.new,
+        "poot": [],
     }
     bw = copy_bandwidth()
     out["copy_GBps"] = bw
     log(f"device {out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
-    out["poot"] = []
-    out["gemv_sweep"] = {}
-    for quant in [None] + [q for q in args.quant.split(",") if q]:
-        if not args.no_sweep:
-            try:
-                out["gemv_sweep"][quant or "bf16"] = gemv_sweep(hf, bw, quant)
-            except Exception as exc:  # keep going: the decode run still uses the default tiles
-                out["gemv_sweep"][quant or "bf16"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                log("sweep failed", quant, exc)
-            torch.cuda.empty_cache()
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+
+    if args.sweep:
+        out["sweep"] = planes_sweep(hf, bw, names, args.sweep)
+        save()
+        return 0
+    if args.warm:
+        out["warm_s"] = warm_all(names, args.layers, args.prefill, args.prompt)
+        log(f"kernels of {len(names) - 1} packed layouts compiled in {out['warm_s']:.0f} s")
+    for name in names:
+        left = args.budget - (time.perf_counter() - start) if args.budget else float("inf")
+        if left < (args.hf_seconds if not args.no_hf else 0):
+            out["poot"].append({"layout": name, "error": "not run: the time budget was spent"})
+            continue
         try:
-            r = poot_run(hf, quant, args.prompt, args.new, args.prefill if quant is None else 0, bw)
-        except Exception as exc:  # report and go on to the next variant
-            r = {"quant": quant, "error": f"{type(exc).__name__}: {exc}"}
+            r = poot_run(hf, name, args.prompt, args.new, args.prefill, bw, args.profile)
+        except Exception as exc:  # report and go on to the next layout
+            r = {"layout": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         out["poot"].append(r)
         torch.cuda.empty_cache()
-        log("poot", json.dumps(r))
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(out, fh, indent=1)
+        log("poot", json.dumps({k: v for k, v in r.items() if k != "kernel_us_per_step"}))
+        save()
     if not args.no_hf:
         out["transformers"] = {}
         try:
@@ -486,27 +549,8 @@ def main() -> int:
         except Exception as exc:  # keep what was measured before the failure
             out["transformers"]["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         log("transformers", json.dumps(out["transformers"]))
-    log(f"\n=== summary (Llama-3-8B shape, batch 1, prompt {args.prompt}, {args.new} new) ===")
-    log(f"copy bandwidth {bw:.0f} GB/s")
-    for r in out["poot"]:
-        if "error" in r:
-            log(f"poot {r['quant']}: ERROR {r['error']}")
-            continue
-        log(
-            f"poot {r['quant']:5s}: decode {r['decode_tok_s']:6.1f} tok/s, {r['achieved_GBps']:5.0f} GB/s, "
-            f"floor {r['floor_tok_s']:6.1f} tok/s ({100 * r['fraction_of_floor']:.0f}%), graph step "
-            f"{r['graph_step_ms']:.2f} ms"
-            + (f", prefill {r['prefill_tok_s']:.0f} tok/s" if "prefill_tok_s" in r else "")
-        )
-    t = out.get("transformers", {})
-    if t:
-        log(
-            f"transformers static+compile: decode {t.get('decode_tok_s', 0):.1f} tok/s, prefill(eager sdpa) "
-            f"{t.get('prefill_tok_s_eager_sdpa', 0):.0f} tok/s"
-        )
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
+    save()
+    summary(out)
     return 0
 
 

@@ -135,9 +135,9 @@ def test_upload_refuses_layouts_and_sizes_before_copying():
             return self.weights[name]
 
     ex = interpreted_executor()
-    awq = PackedWeight("awq", (64, 64), {"qweight": torch.zeros(64, 8, dtype=torch.int32)}, {"bits": 4})
+    gptq5 = PackedWeight("gptq", (64, 64), {"qweight": torch.zeros(10, 64, dtype=torch.int32)}, {"bits": 5})
     with pytest.raises(Unsupported) as err:
-        ex.upload(Store({"layer.weight": awq}))
+        ex.upload(Store({"layer.weight": gptq5}))
     assert err.value.reason is Reason.QUANTIZATION and "layer.weight" in err.value.name
     ex.memory = lambda: {"total": 1 << 20, "free": 1 << 20}
     with pytest.raises(Unsupported) as err:

@@ -27,6 +27,31 @@ TARGETS = {
 }
 
 
+def planes_layouts() -> list:
+    """Planes matrices [256, 512] of layouts that together take every branch of the planes kernels."""
+    import torch
+
+    from poot_core.checkpoint.layouts import PackedWeight
+    from poot_kernels_triton import relayout
+
+    n, k = 256, 512
+    made = []
+    for name in ("Q4_K", "Q6_K", "Q5_0", "Q3_K", "Q8_0", "IQ4_XS", "Q4_1", "Q2_K"):
+        elems, size = relayout.GGUF_BLOCKS[name]
+        blocks = torch.zeros(n, k // elems * size, dtype=torch.uint8)
+        made.append(PackedWeight("gguf", (n, k), {"blocks": blocks}, {"type": name}))
+    g_idx = torch.arange(k, dtype=torch.int32).flip(0) // 128  # act-order: rows sorted by group at upload
+    gptq = {"qweight": torch.zeros(k // 8, n, dtype=torch.int32), "qzeros": torch.zeros(4, n // 8, dtype=torch.int32),
+            "scales": torch.zeros(4, n, dtype=torch.float16), "g_idx": g_idx}  # fmt: skip
+    made.append(PackedWeight("gptq", (n, k), gptq, {"bits": 4, "group_size": 128, "desc_act": True}))
+    awq = {"qweight": torch.zeros(k, n // 8, dtype=torch.int32), "qzeros": torch.zeros(4, n // 8, dtype=torch.int32),
+           "scales": torch.zeros(4, n, dtype=torch.float16)}  # fmt: skip
+    made.append(PackedWeight("awq", (n, k), awq, {"bits": 4, "group_size": 128}))
+    fp8 = {"weight": torch.zeros(n, k, dtype=torch.float8_e4m3fn), "scale": torch.ones(2, 4)}
+    made.append(PackedWeight("fp8", (n, k), fp8, {"granularity": "block", "block": (128, 128)}))
+    return [relayout.to_planes(w) for w in made]
+
+
 def record_all_launches() -> list:
     """Call every public function in each of its kernel variants; return the recorded launches."""
     import torch
@@ -56,16 +81,19 @@ def record_all_launches() -> list:
         for m in (1, 16):
             xm = torch.zeros(m, 512, dtype=bf)
             ktr.linear(xm, torch.zeros(256, 512, dtype=bf), torch.zeros(256, dtype=bf))
-            for name, (_, elems, nbytes) in ktr.GGUF_TYPES.items():
-                blocks = torch.zeros(256, 512 // elems * nbytes, dtype=torch.uint8)
-                ktr.linear(xm, PackedWeight("gguf", (256, 512), {"blocks": blocks}, {"type": name}))
-            ktr.gptq_linear(
-                xm.half(),
-                torch.zeros(64, 256, dtype=torch.int32),
-                torch.zeros(4, 32, dtype=torch.int32),
-                torch.zeros(4, 256, dtype=torch.float16),
-                torch.zeros(512, dtype=torch.int32),
-            )
+        # GGUF blocks as the file stores them (stacked experts): every type's decoder in the GEMV, two in the GEMM
+        for name, (_, elems, nbytes) in ktr.GGUF_TYPES.items():
+            blocks = torch.zeros(256, 512 // elems * nbytes, dtype=torch.uint8)
+            weight = PackedWeight("gguf", (256, 512), {"blocks": blocks}, {"type": name})
+            for m in (1, 16) if name in ("Q4_K", "Q5_0") else (1,):
+                ktr.linear(torch.zeros(m, 512, dtype=bf), weight)
+        # the planes kernels, over layouts that between them take every branch (bit widths, high bits, integer
+        # scales, zeros packed / constant / per column, minimums, code book, FP8 and its blocks, act-order)
+        for weight in planes_layouts():
+            for m in (1, 16):
+                ktr.linear(torch.zeros(m, 512, dtype=bf), weight)
+        for weight in planes_layouts()[:2]:
+            ktr.planes_rows(weight, torch.zeros(2, dtype=torch.int64))
         from poot_kernels_triton.moe import FusedExperts, route
 
         route(torch.zeros(2, 128), {"top_k": 8, "scoring": "softmax", "norm_topk": True, "routed_scale": 1.0})

@@ -1,6 +1,6 @@
-"""Decode GEMVs under the Triton interpreter: split-K (partials summed by the last program of a tile) and the
-word-wise 4-bit kernels (Q4_K, GPTQ), against float64 references built independently (gguf's dequantizer,
-plain integer unpacking)."""
+"""Decode GEMVs under the Triton interpreter: split-K (partials summed by the last program of a tile), the
+word-wise Q4_K kernel of blocks kept as the file stores them, and GPTQ through the planes GEMV, against
+float64 references built independently (gguf's dequantizer, plain integer unpacking)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 
 import poot_kernels_triton as ktr  # noqa: E402
 from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402
-from poot_core.errors import RequestError  # noqa: E402
 from poot_kernels_triton import matmul, splitk  # noqa: E402
 from poot_kernels_triton.tuning import Tile  # noqa: E402
 
@@ -130,7 +129,7 @@ def test_gptq_words_gemv(override, group: int, split: int, act_order: bool) -> N
     k, n = 512, 40
     p = gptq_parts(k, n, group, act_order, gen)
     x = torch.randn(2, k, generator=gen).to(torch.float16)
-    override["gptq"] = Tile(block_n=16, block_k=256, num_warps=1, num_stages=1, split_k=split)
+    override["planes"] = Tile(block_n=16, block_k=256, num_warps=1, num_stages=1, split_k=split)
     meta = {"bits": 4, "group_size": -1 if group == k else group, "desc_act": act_order}
     weight = PackedWeight("gptq", (n, k), p, meta)
     for offset, fmt in ((1, "gptq"), (0, "gptq_v2")):
@@ -141,11 +140,3 @@ def test_gptq_words_gemv(override, group: int, split: int, act_order: bool) -> N
     assert rel_err(plain, x.double() @ gptq_reference(p, 1)) < F16_BOUND
     assert rel_err(ktr.linear(x[:1], weight), x[:1].double() @ gptq_reference(p, 1)) < F16_BOUND
     assert counters_are_zero()
-
-
-def test_gptq_group_size_must_fit() -> None:
-    gen = torch.Generator().manual_seed(0)
-    p = gptq_parts(256, 16, 64, False, gen)
-    x = torch.randn(1, 256).half()
-    with pytest.raises(RequestError):
-        ktr.gptq_linear(x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], group_size=128)

@@ -1,28 +1,25 @@
 """poot_kernels_triton under the Triton interpreter, against plain float32 torch references.
 
-TRITON_INTERPRET must be set before triton is first imported, so this module sets it at import time.
 Inputs are stored in the tested dtype and the references read those same values upcast to float32, so the
 bounds measure the kernels' own error (float32 accumulation, one rounding to the output dtype).
 """
 
 from __future__ import annotations
 
-import os
+import math
 
-os.environ["TRITON_INTERPRET"] = "1"
+import gguf
+import numpy as np
+import pytest
+import torch
+import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 
-import math  # noqa: E402
+import poot_kernels_triton as ktr
+from helpers.gguf_blocks import F16_FIELDS
+from poot_core.checkpoint.layouts import PackedWeight
+from poot_core.errors import RequestError, Unsupported
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
-
-gguf = pytest.importorskip("gguf")
-
-import poot_kernels_triton as ktr  # noqa: E402
-from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402
-from poot_core.errors import RequestError, Unsupported  # noqa: E402
+pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 
 # ||out - ref|| / ||ref|| bounds by the dtype the output is rounded to
 BOUND = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
@@ -258,15 +255,13 @@ def test_dense_linear(dtype: torch.dtype, m: int) -> None:
 
 # ---------------------------------------------------------------- GGUF blocks
 
-# byte offsets of the float16 fields inside one block of each type (the rest is random bits)
-GGUF_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
 
 
 def random_gguf_rows(gguf_type: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks whose scale fields are sane float16 values; all other bits are random."""
     _, elems, nbytes = ktr.GGUF_TYPES[gguf_type]
     data = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    for off in GGUF_HALF_FIELDS[gguf_type]:
+    for off in F16_FIELDS[gguf_type]:
         half = rng.uniform(-0.05, 0.05, size=(n, k // elems)).astype(np.float16)
         data[:, :, off : off + 2] = half.view(np.uint8).reshape(n, k // elems, 2)
     return data.reshape(n, -1)
@@ -291,7 +286,7 @@ def test_gguf_linear(gguf_type: str, m: int) -> None:
 def test_gguf_rejects_unknown_type_and_bad_rows() -> None:
     x = torch.randn(1, 256)
     with pytest.raises(Unsupported):
-        ktr.gguf_linear(x, torch.zeros(4, 176, dtype=torch.uint8), "Q5_K")
+        ktr.gguf_linear(x, torch.zeros(4, 66, dtype=torch.uint8), "IQ2_XXS")
     with pytest.raises(RequestError):
         ktr.gguf_linear(x, torch.zeros(4, 100, dtype=torch.uint8), "Q4_K")
 

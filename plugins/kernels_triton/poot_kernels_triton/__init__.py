@@ -10,6 +10,7 @@ from .attention import decode_attention, prefill_attention
 from .launch import Launch, record_launches
 from .matmul import dense_linear
 from .norm import add_rms_norm
+from .planes import planes_linear, planes_rows
 from .quant import GGUF_TYPES, gguf_linear, gptq_linear, linear
 from .rope import apply_rope, rope_cos_sin, rotate, write_kv
 from .sampling import greedy, sample
@@ -30,6 +31,8 @@ __all__ = [
     "gptq_linear",
     "greedy",
     "linear",
+    "planes_linear",
+    "planes_rows",
     "prefill_attention",
     "record_launches",
     "rope_cos_sin",

@@ -155,12 +155,13 @@ GEMV_TILES: dict[tuple[str, int, int], Tile] = {}
 
 
 def launch_gemv(kernel: Any, tile: Tile, width: int, rows: int, steps: int, step: int, device: torch.device,
-                tuning: Tuning, /, **args: Any) -> None:  # fmt: skip
+                tuning: Tuning, /, programs: int = 0, **args: Any) -> None:  # fmt: skip
     """Launch a GEMV kernel over (width / block_n tiles, rows, split) programs: `steps` steps of `step` along k shared
-    among the split programs of each tile. The kernel takes k_per_split in its own unit of k (elements,
-    64-element chunks or 8-element words: `step` is a step's size in that unit)."""
+    among the split programs of each tile (split to reach `programs`, default the tuning's gemv_programs).
+    The kernel takes k_per_split in its own unit of k (elements, 64-element chunks or 8-element words:
+    `step` is a step's size in that unit)."""
     tiles = cdiv(width, tile.block_n)
-    per = steps_per_split(steps, choose_split(tile, tiles * rows, steps, tuning))
+    per = steps_per_split(steps, choose_split(tile, tiles * rows, steps, tuning, programs))
     split, part, locks = split_buffers(cdiv(steps, per), rows, width, tiles, device)
     if split == 1:
         per = steps

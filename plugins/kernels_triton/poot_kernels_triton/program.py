@@ -24,6 +24,7 @@ from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, Weigh
 from poot_core.graph import passes
 
 from . import moe
+from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
 
@@ -146,15 +147,9 @@ class Binder:
         tok_name, out, shape = node.inputs[1].name, node.output, node.shape
         scale = node.attrs.get("scale")
         if isinstance(table, PackedWeight):
-            if table.layout != "gguf":
-                raise Unsupported(Reason.QUANTIZATION, f"{table.kind} embedding", "gguf or dense tables only")
-            blocks, qtype = table.parts["blocks"], str(table.meta.get("type"))
-            eye = torch.eye(table.shape[1], dtype=torch.float32, device=self.w.device)
 
             def rows(tokens: torch.Tensor) -> torch.Tensor:
-                # dequantize only the chosen rows: identity @ rows^T, on the device (graph safe)
-                picked = blocks.index_select(0, tokens)
-                return ktr.gguf_linear(eye, picked, qtype).t()
+                return embedding_rows(table, tokens)  # only the chosen rows, dequantized on the device
         else:
 
             def rows(tokens: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""x @ W^T with packed weights dequantized in registers: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and GPTQ.
+"""x @ W^T with packed weights dequantized in registers.
 
-GGUF weights are uint8 [n, bytes_per_row], each row a run of ggml blocks as the file stores them. Each
-element of a tile finds its block, loads the bytes it needs and rebuilds its value; half-precision fields
-are assembled from two bytes so no alignment of the row is assumed.
+Uploaded matrices are in the planes layout (relayout.py) and go through planes.py's kernels. GGUF blocks
+still in the file's layout (stacked experts, and matrices handed to `linear` directly) are read here:
+uint8 [n, bytes_per_row], each row a run of ggml blocks. Each element of a tile finds its block, loads the
+bytes it needs and rebuilds its value; half-precision fields are assembled from two bytes so no alignment
+of the row is assumed. GPTQ, AWQ and FP8 matrices handed to `linear` directly are rearranged on the fly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
 from .matmul import GEMV_MAX_ROWS, dense_linear, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
+from .planes import planes_linear, planes_rows
+from .relayout import IQ4_VALUES, from_gptq, is_planes, to_planes
 from .splitk import finish_split
 from .tuning import tuning_for_device
 
@@ -26,7 +30,18 @@ GGUF_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_1": (2, 32, 20),
     "Q4_K": (3, 256, 144),
     "Q6_K": (4, 256, 210),
+    "Q5_0": (5, 32, 22),
+    "Q5_1": (6, 32, 24),
+    "Q2_K": (7, 256, 84),
+    "Q3_K": (8, 256, 110),
+    "Q5_K": (9, 256, 176),
+    "IQ4_NL": (10, 32, 18),
+    "IQ4_XS": (11, 256, 136),
 }
+# IQ4's code book (relayout.IQ4_VALUES) as bytes in two int64s, for a lookup without a table: the eight
+# negative entries plus 128, the eight positive ones as they are (every byte below 128)
+_IQ4_LO = tl.constexpr(sum((v + 128) << (8 * i) for i, v in enumerate(IQ4_VALUES[:8])))
+_IQ4_HI = tl.constexpr(sum(v << (8 * i) for i, v in enumerate(IQ4_VALUES[8:])))
 
 
 @triton.jit
@@ -39,6 +54,33 @@ def _f16_at(ptr, mask):
 @triton.jit
 def _byte_at(ptr, mask):
     return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _iq4_value(nib):
+    """IQ4_NL/IQ4_XS code book entry of 4-bit codes, float32."""
+    table = tl.where(nib < 8, _IQ4_LO, _IQ4_HI)
+    byte = (table >> ((nib % 8) * 8).to(tl.int64)) & 0xFF
+    return (byte - tl.where(nib < 8, 128, 0)).to(tl.float32)
+
+
+@triton.jit
+def _k4_scale_min(base, sub, mask):
+    """The 6-bit (scale, min) of sub-block sub (0..7) of a Q4_K/Q5_K block at base (its 12 scale bytes at 4)."""
+    sc_lo = _byte_at(base + 4 + sub, mask)  # scales[sub]
+    sc_hi = _byte_at(base + 4 + (sub + 4) % 12, mask)  # scales[sub + 4]
+    sc_prev = _byte_at(base + 4 + tl.where(sub >= 4, sub - 4, sub), mask)  # scales[sub - 4]
+    scale = tl.where(sub < 4, sc_lo & 63, (sc_hi & 0xF) | ((sc_prev >> 6) << 4))
+    minimum = tl.where(sub < 4, sc_hi & 63, (sc_hi >> 4) | ((sc_lo >> 6) << 4))
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def _k_crumb(qs_ptr, j, mask):
+    """2-bit quant of element j (0..255) of a Q2_K/Q3_K block whose 64 quant bytes start at qs_ptr."""
+    half = j // 128
+    shift = ((j % 128) // 32) * 2
+    return (_byte_at(qs_ptr + half * 32 + j % 32, mask) >> shift) & 3
 
 
 @triton.jit
@@ -69,14 +111,62 @@ def _dequant_gguf(row_ptr, kk, mask, QTYPE: tl.constexpr):
         sub = 2 * chunk + within // 32  # which of the 8 sub-blocks of 32
         byte = _byte_at(base + 16 + chunk * 32 + within % 32, mask)
         nib = tl.where(within < 32, byte & 0xF, byte >> 4)
-        sc_lo = _byte_at(base + 4 + sub, mask)  # scales[sub]
-        sc_hi = _byte_at(base + 4 + (sub + 4) % 12, mask)  # scales[sub + 4]
-        sc_prev = _byte_at(base + 4 + tl.where(sub >= 4, sub - 4, sub), mask)  # scales[sub - 4]
-        scale = tl.where(sub < 4, sc_lo & 63, (sc_hi & 0xF) | ((sc_prev >> 6) << 4))
-        minimum = tl.where(sub < 4, sc_hi & 63, (sc_hi >> 4) | ((sc_lo >> 6) << 4))
-        d = _f16_at(base, mask)
-        dmin = _f16_at(base + 2, mask)
-        w = d * scale.to(tl.float32) * nib.to(tl.float32) - dmin * minimum.to(tl.float32)
+        scale, minimum = _k4_scale_min(base, sub, mask)
+        w = _f16_at(base, mask) * scale * nib.to(tl.float32) - _f16_at(base + 2, mask) * minimum
+    elif QTYPE == 5 or QTYPE == 6:  # Q5_0 (f16 d, u32 qh, 16 bytes) / Q5_1 (f16 d, f16 m, u32 qh, 16 bytes)
+        size: tl.constexpr = 22 if QTYPE == 5 else 24
+        at: tl.constexpr = 2 if QTYPE == 5 else 4
+        base = row_ptr + (kk // 32) * size
+        j = kk % 32
+        byte = _byte_at(base + at + 4 + j % 16, mask)
+        nib = tl.where(j < 16, byte & 0xF, byte >> 4)
+        q = nib | (((_byte_at(base + at + j // 8, mask) >> (j % 8)) & 1) << 4)
+        if QTYPE == 5:
+            w = _f16_at(base, mask) * (q - 16).to(tl.float32)
+        else:
+            w = _f16_at(base, mask) * q.to(tl.float32) + _f16_at(base + 2, mask)
+    elif QTYPE == 7:  # Q2_K: 16 bytes of 4-bit scale|min, 64 bytes of 2-bit quants, f16 d, f16 dmin
+        base = row_ptr + (kk // 256) * 84
+        j = kk % 256
+        sm = _byte_at(base + j // 16, mask)
+        q = _k_crumb(base + 16, j, mask).to(tl.float32)
+        w = _f16_at(base + 80, mask) * (sm & 0xF).to(tl.float32) * q - _f16_at(base + 82, mask) * (sm >> 4).to(
+            tl.float32)  # fmt: skip
+    elif QTYPE == 8:  # Q3_K: hmask[32], 2-bit quants[64], 12 bytes of 6-bit scales, f16 d
+        base = row_ptr + (kk // 256) * 110
+        j = kk % 256
+        hm = (_byte_at(base + j % 32, mask) >> (j // 32)) & 1
+        q = (_k_crumb(base + 32, j, mask) | (hm << 2)) - 4
+        i = j // 16
+        low = tl.where(i < 8, _byte_at(base + 96 + i % 8, mask) & 0xF, _byte_at(base + 96 + i % 8, mask) >> 4)
+        high = (_byte_at(base + 104 + i % 4, mask) >> (2 * (i // 4))) & 3
+        sc = (low | (high << 4)) - 32
+        w = _f16_at(base + 108, mask) * sc.to(tl.float32) * q.to(tl.float32)
+    elif QTYPE == 9:  # Q5_K: f16 d, f16 dmin, 12 scale bytes, qh[32], quants[128] as Q4_K
+        base = row_ptr + (kk // 256) * 176
+        j = kk % 256
+        chunk = j // 64
+        within = j % 64
+        byte = _byte_at(base + 48 + chunk * 32 + within % 32, mask)
+        nib = tl.where(within < 32, byte & 0xF, byte >> 4)
+        q = nib | (((_byte_at(base + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
+        scale, minimum = _k4_scale_min(base, j // 32, mask)
+        w = _f16_at(base, mask) * scale * q.to(tl.float32) - _f16_at(base + 2, mask) * minimum
+    elif QTYPE == 10:  # IQ4_NL: f16 d, 16 bytes of codes ordered as Q4_0's
+        base = row_ptr + (kk // 32) * 18
+        j = kk % 32
+        byte = _byte_at(base + 2 + j % 16, mask)
+        w = _f16_at(base, mask) * _iq4_value(tl.where(j < 16, byte & 0xF, byte >> 4))
+    elif QTYPE == 11:  # IQ4_XS: f16 d, u16 high scale bits, 4 bytes of low scale nibbles, 128 bytes of codes
+        base = row_ptr + (kk // 256) * 136
+        j = kk % 256
+        ib = j // 32
+        low = (_byte_at(base + 4 + ib // 2, mask) >> (4 * (ib % 2))) & 0xF
+        high = ((_byte_at(base + 2, mask) | (_byte_at(base + 3, mask) << 8)) >> (2 * ib)) & 3
+        ls = (low | (high << 4)) - 32
+        byte = _byte_at(base + 8 + ib * 16 + j % 16, mask)
+        code = tl.where(j % 32 < 16, byte & 0xF, byte >> 4)
+        w = _f16_at(base, mask) * ls.to(tl.float32) * _iq4_value(code)
     else:  # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs, int8 scales[16], f16 d
         base = row_ptr + (kk // 256) * 210
         j = kk % 256
@@ -124,13 +214,6 @@ def _gguf_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(o_ptr + row * o_stride + offs_n, acc.to(o_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _small_int_f32(v):
-    """float32 of int32 values in [0, 2^23): the bits of 2^23 + v as a float, less 2^23 (one logic op and one
-    add, where a conversion instruction runs at a quarter of the rate)."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -336,137 +419,6 @@ def gguf_linear(
     return out
 
 
-@triton.jit
-def _dequant_gptq(
-    qw_ptr, qz_ptr, s_ptr, g_ptr, kk, nn, mask, qw_stride, qz_stride, s_stride, ZERO_OFFSET: tl.constexpr
-):
-    """Elements W[kk, nn] (broadcast shapes) of a 4-bit GPTQ matrix, float32."""
-    packed = tl.load(qw_ptr + (kk // 8).to(tl.int64) * qw_stride + nn, mask=mask, other=0)
-    q = (packed >> ((kk % 8) * 4)) & 0xF
-    g = tl.load(g_ptr + kk, mask=mask, other=0).to(tl.int64)
-    zp = tl.load(qz_ptr + g * qz_stride + nn // 8, mask=mask, other=0)
-    z = ((zp >> ((nn % 8) * 4)) & 0xF) + ZERO_OFFSET
-    s = tl.load(s_ptr + g * s_stride + nn, mask=mask, other=0.0).to(tl.float32)
-    return (q - z).to(tl.float32) * s
-
-
-@triton.jit
-def _gptq_gemv_kernel(
-    x_ptr,
-    qw_ptr,
-    qz_ptr,
-    s_ptr,
-    g_ptr,
-    b_ptr,
-    o_ptr,
-    part_ptr,
-    lock_ptr,
-    n,
-    k,
-    x_stride,
-    qw_stride,
-    qz_stride,
-    s_stride,
-    o_stride,
-    group_words,
-    k_per_split,
-    n_tiles,
-    split,
-    ZERO_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUPED: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_KW: tl.constexpr,
-):
-    """Whole int32 words of qweight [k/8, n] per step ([BLOCK_KW, BLOCK_N], contiguous along n), unpacked to
-    [BLOCK_KW, 8, BLOCK_N] in registers. GROUPED: g_idx is k // (8 * group_words) and a step never crosses a
-    group, so the step's scales and zeros are one row each, applied once to the step's sums; otherwise
-    (act-order) each input row's group comes from g_idx."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.program_id(1).to(tl.int64)
-    nmask = offs_n < n
-    t = tl.arange(0, 8)
-    zshift = (offs_n % 8) * 4
-    w_start = tl.program_id(2) * k_per_split
-    w_end = tl.minimum(k // 8, w_start + k_per_split)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for kw0 in range(w_start, w_end, BLOCK_KW):
-        kws = kw0 + tl.arange(0, BLOCK_KW)
-        kmask = kws < w_end
-        words = tl.load(
-            qw_ptr + kws[:, None].to(tl.int64) * qw_stride + offs_n[None, :],
-            mask=kmask[:, None] & nmask[None, :],
-            other=0,
-            eviction_policy="evict_first",
-        )
-        kk = kws[:, None] * 8 + t[None, :]  # [BLOCK_KW, 8] input rows
-        xv = tl.load(x_ptr + row * x_stride + kk, mask=kmask[:, None], other=0.0).to(tl.float32)
-        q = (words[:, None, :] >> (4 * t)[None, :, None]) & 0xF  # [BLOCK_KW, 8, BLOCK_N]
-        if GROUPED:
-            g = kw0 // group_words
-            s = tl.load(s_ptr + g * s_stride + offs_n, mask=nmask, other=0.0).to(tl.float32)
-            zp = tl.load(qz_ptr + g * qz_stride + offs_n // 8, mask=nmask, other=0)
-            z = (((zp >> zshift) & 0xF) + ZERO_OFFSET).to(tl.float32)
-            dot = tl.sum(tl.sum(_small_int_f32(q) * xv[:, :, None], axis=1), axis=0)
-            acc += s * (dot - z * tl.sum(tl.sum(xv, axis=1), axis=0))
-        else:
-            g = tl.load(g_ptr + kk, mask=kmask[:, None], other=0).to(tl.int64)[:, :, None]
-            m3 = kmask[:, None, None] & nmask[None, None, :]
-            s = tl.load(s_ptr + g * s_stride + offs_n[None, None, :], mask=m3, other=0.0).to(tl.float32)
-            zp = tl.load(qz_ptr + g * qz_stride + (offs_n // 8)[None, None, :], mask=m3, other=0)
-            z = ((zp >> zshift[None, None, :]) & 0xF) + ZERO_OFFSET
-            w = (q - z).to(tl.float32) * s
-            acc += tl.sum(tl.sum(w * xv[:, :, None], axis=1), axis=0)
-    finish_split(acc, offs_n, nmask, b_ptr, o_ptr, o_stride, part_ptr, lock_ptr, n, n_tiles, split,
-                 HAS_BIAS, SPLIT, BLOCK_N)  # fmt: skip
-
-
-@triton.jit
-def _gptq_gemm_kernel(
-    x_ptr,
-    qw_ptr,
-    qz_ptr,
-    s_ptr,
-    g_ptr,
-    b_ptr,
-    o_ptr,
-    m,
-    n,
-    k,
-    x_stride,
-    qw_stride,
-    qz_stride,
-    s_stride,
-    o_stride,
-    ZERO_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = offs_m < m
-    nmask = offs_n < n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < k
-        a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
-        b = _dequant_gptq(
-            qw_ptr, qz_ptr, s_ptr, g_ptr, offs_k[:, None], offs_n[None, :], kmask[:, None] & nmask[None, :],
-            qw_stride, qz_stride, s_stride, ZERO_OFFSET,
-        )  # fmt: skip
-        if UPCAST:
-            a = a.to(tl.float32)
-        else:
-            b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc)
-    gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
-
-
 def gptq_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -476,108 +428,37 @@ def gptq_linear(
     bias: torch.Tensor | None = None,
     *,
     zero_offset: int = 1,
-    group_size: int | None = None,
+    bits: int = 4,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x @ W for a 4-bit GPTQ matrix W [k, n] (the checkpoint's in_features x out_features).
+    """x @ W for a GPTQ matrix W [k, n] (the checkpoint's in_features x out_features), through the planes
+    kernels (rearranged on each call: an uploaded weight is rearranged once).
 
-    qweight: int32 [k / 8, n], eight 4-bit values per word packed along k (value i in bits 4i..4i+3).
-    qzeros: int32 [groups, n / 8], packed along n. scales: float16/bfloat16/float32 [groups, n].
-    g_idx: int32/int64 [k], the group of each input row (act-order safe). Element value:
-    (q - (zero + zero_offset)) * scale; zero_offset is 1 for checkpoints in the original GPTQ ("v1") format,
-    0 for the "v2" format. x: [m, k] float; bias [n] or None. Returns [m, n] in x's dtype.
-    group_size: when given, the caller vouches that g_idx is k // group_size (no act-order; -1 or 0: one
-    group), and the decode GEMV applies each group's scales once per step instead of per element.
+    qweight: int32 [k * bits / 32, n], 32 / bits values per word packed along k (value i in bits i*bits..).
+    qzeros: int32 [groups, n * bits / 32], packed along n. scales: float16/bfloat16/float32 [groups, n].
+    g_idx: int32/int64 [k], the group of each input row (act-order: any permutation of equal groups).
+    Element value: (q - (zero + zero_offset)) * scale; zero_offset is 1 for checkpoints in the original GPTQ
+    ("v1") format, 0 for "v2". x: [m, k] float; bias [n] or None. Returns [m, n] in x's dtype.
     """
     check_dims("x", x, 2)
-    check_float("x", x)
     for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
         check_dims(name, t, 2)
     check_dims("g_idx", g_idx, 1)
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-        raise Unsupported(Reason.QUANTIZATION, "gptq", "qweight and qzeros must be int32 (4-bit packing)")
-    m, k = x.shape
-    n = qweight.shape[1]
-    require(qweight.shape[0] * 8 == k, f"qweight {tuple(qweight.shape)} does not pack k={k} 4-bit values")
-    require(scales.shape[1] == n and qzeros.shape[1] * 8 == n, "scales/qzeros do not match qweight's width")
+        raise Unsupported(Reason.QUANTIZATION, "gptq", "qweight and qzeros must be int32")
+    n, k = qweight.shape[1], x.shape[1]
+    require(qweight.shape[0] * 32 == k * bits, f"qweight {tuple(qweight.shape)} does not pack k={k} {bits}-bit values")
+    require(scales.shape[1] == n and qzeros.shape[1] * 32 == n * bits, "scales/qzeros do not match qweight's width")
     require(qzeros.shape[0] == scales.shape[0], "qzeros and scales disagree on the group count")
     require(g_idx.shape == (k,), f"g_idx must be [{k}]")
-    if group_size is not None and group_size > 0:
-        require(group_size % 8 == 0 and k % group_size == 0, f"group size {group_size} does not divide k={k}")
-        require(k // group_size == scales.shape[0], f"group size {group_size} disagrees with {scales.shape[0]} groups")
-    check_same_device(x, qweight, qzeros, scales, g_idx)
-    if bias is not None:
-        require(bias.shape == (n,), f"bias must be [{n}]")
-    x = unit_stride_last(x)
-    qweight, qzeros, scales, g_idx = (t.contiguous() for t in (qweight, qzeros, scales, g_idx))
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    tuning = tuning_for_device(x.device)
-    common = dict(
-        x_ptr=x,
-        qw_ptr=qweight,
-        qz_ptr=qzeros,
-        s_ptr=scales,
-        g_ptr=g_idx,
-        b_ptr=bias if bias is not None else x,
-        o_ptr=out,
-        n=n,
-        k=k,
-        x_stride=x.stride(0),
-        qw_stride=qweight.stride(0),
-        qz_stride=qzeros.stride(0),
-        s_stride=scales.stride(0),
-        o_stride=out.stride(0),
-        ZERO_OFFSET=int(zero_offset),
-        HAS_BIAS=bias is not None,
-    )
-    if m <= GEMV_MAX_ROWS:
-        tile = gemv_tile(n, m, tuning, tuning.gptq_gemv, min_block=16, k=k, kind="gptq")
-        words = k // 8
-        block_kw = max(1, tile.block_k // 8)
-        grouped = group_size is not None
-        if grouped:
-            group_words = (k if group_size <= 0 else group_size) // 8
-            while group_words % block_kw:  # a step never crosses a group
-                block_kw //= 2
-        else:
-            group_words = words
-        launch_gemv(
-            _gptq_gemv_kernel, tile, n, m, cdiv(words, block_kw), block_kw, x.device, tuning,
-            group_words=group_words, GROUPED=grouped, BLOCK_N=tile.block_n, BLOCK_KW=block_kw, **common,
-        )  # fmt: skip
-    else:
-        tile = tuning.qgemm
-        launch(
-            _gptq_gemm_kernel,
-            (cdiv(m, tile.block_m), cdiv(n, tile.block_n)),
-            tile,
-            m=m,
-            UPCAST=tuning.upcast_dot,
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            **common,
-        )
-    return out
+    meta = {"bits": bits, "checkpoint_format": "gptq" if zero_offset else "gptq_v2"}
+    parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    return planes_linear(x, from_gptq(PackedWeight("gptq", (n, k), parts, meta)), bias, out_dtype=out_dtype)
 
 
 def _words_view_ok(blocks: torch.Tensor) -> bool:
     """Whether uint8 blocks [n, bytes] can be read as int32 words (4-byte aligned rows and start)."""
     return blocks.stride(0) % 4 == 0 and blocks.shape[1] % 4 == 0 and blocks.storage_offset() % 4 == 0
-
-
-def _plain_group_size(weight: PackedWeight) -> int | None:
-    """The group size when the checkpoint says g_idx is plain k // group_size (no act-order), else None."""
-    meta = weight.meta
-    if meta.get("desc_act", True) or "group_size" not in meta:
-        return None
-    k = weight.shape[1]
-    size = int(meta["group_size"])
-    size = k if size <= 0 else size
-    groups = weight.parts["scales"].shape[0]
-    if size % 8 or k % size or k // size != groups:
-        return None
-    return size
 
 
 def linear(
@@ -587,17 +468,27 @@ def linear(
     *,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [m, k] @ W^T for any weight this package computes with: dense [n, k], PackedWeight gguf or gptq.4.
-    The output has x's dtype unless out_dtype names another."""
+    """x [m, k] @ W^T for any weight this package computes with: dense [n, k], planes (every uploaded packed
+    matrix), GGUF blocks as the file stores them, or GPTQ/AWQ/FP8 parts (rearranged on the fly). The output
+    has x's dtype unless out_dtype names another."""
     if isinstance(weight, torch.Tensor):
         return dense_linear(x, weight, bias, out_dtype=out_dtype)
+    if is_planes(weight):
+        return planes_linear(x, weight, bias, out_dtype=out_dtype)
     if weight.layout == "gguf":
         return gguf_linear(x, weight.parts["blocks"], str(weight.meta.get("type")), bias, out_dtype=out_dtype)
-    if weight.layout == "gptq" and int(weight.meta.get("bits", 0)) == 4:
-        p = weight.parts
-        offset = 0 if weight.meta.get("checkpoint_format") == "gptq_v2" else 1
-        return gptq_linear(
-            x, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], bias,
-            zero_offset=offset, group_size=_plain_group_size(weight), out_dtype=out_dtype,
-        )  # fmt: skip
-    raise Unsupported(Reason.QUANTIZATION, weight.kind, "Triton kernels compute gguf and 4-bit gptq layouts")
+    planes = to_planes(weight)
+    if planes is None:
+        raise Unsupported(Reason.QUANTIZATION, weight.kind, "Triton kernels compute 2-D gguf, gptq, awq and fp8")
+    return planes_linear(x, planes, bias, out_dtype=out_dtype)
+
+
+def embedding_rows(table: PackedWeight, tokens: torch.Tensor) -> torch.Tensor:
+    """float32 [len(tokens), k]: the rows `tokens` of a packed table, dequantized on the device (graph safe)."""
+    if is_planes(table):
+        return planes_rows(table, tokens)
+    if table.layout == "gguf" and len(table.shape) == 2:
+        picked = table.parts["blocks"].index_select(0, tokens.reshape(-1))
+        eye = torch.eye(table.shape[1], dtype=torch.float32, device=tokens.device)
+        return gguf_linear(eye, picked, str(table.meta.get("type"))).t()  # identity @ rows^T
+    raise Unsupported(Reason.QUANTIZATION, f"{table.kind} embedding", "planes or 2-D gguf tables only")

@@ -18,7 +18,7 @@ from .tuning import Tile, Tuning
 
 # counters per device, all zero between launches (the last program of each tile resets its own)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_SPLIT = 16
+MAX_SPLIT = 32
 
 
 def counters(device: torch.device, size: int) -> torch.Tensor | None:
@@ -34,14 +34,16 @@ def counters(device: torch.device, size: int) -> torch.Tensor | None:
     return buf
 
 
-def choose_split(tile: Tile, tiles: int, steps: int, tuning: Tuning) -> int:
+def choose_split(tile: Tile, tiles: int, steps: int, tuning: Tuning, programs: int = 0) -> int:
     """How many programs share each of `tiles` output tiles whose k loop has `steps` steps: the tile's own
-    split_k when set, else enough to reach the tuning's program count, at least one step each."""
+    split_k when set, else enough to reach `programs` (default: the tuning's gemv_programs), at least one
+    step each."""
     if tile.split_k:
         return max(1, min(tile.split_k, steps, MAX_SPLIT))
-    if tuning.gemv_programs <= 0 or tiles >= tuning.gemv_programs:
+    programs = programs or tuning.gemv_programs
+    if programs <= 0 or tiles >= programs:
         return 1
-    return max(1, min(cdiv(tuning.gemv_programs, tiles), steps, MAX_SPLIT))
+    return max(1, min(cdiv(programs, tiles), steps, MAX_SPLIT))
 
 
 def steps_per_split(steps: int, split: int) -> int:
@@ -79,9 +81,14 @@ def finish_split(
         lock = lock_ptr + row * n_tiles + tl.program_id(0)
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if arrived == split - 1:
+            # the partials 8 at a time, each 8 loaded together (one wait each, not one per partial), summed in
+            # a fixed order
             total = tl.zeros([BLOCK_N], tl.float32)
-            for s in range(0, split):
-                total += tl.load(part_ptr + (s * rows + row) * n + offs_n, mask=nmask, other=0.0, cache_modifier=".cg")
+            ss = tl.arange(0, 8)
+            for s0 in range(0, split, 8):
+                m2 = ((s0 + ss) < split)[:, None] & nmask[None, :]
+                at = part_ptr + ((s0 + ss)[:, None] * rows + row) * n + offs_n[None, :]
+                total += tl.sum(tl.load(at, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
             tl.store(o_ptr + row * o_stride + offs_n, total.to(o_ptr.dtype.element_ty), mask=nmask)

@@ -47,13 +47,24 @@ class Tuning:
     qgemv: Tile
     qgemm: Tile
     decode_programs: int  # how many programs flash-decoding aims to keep busy
-    # 4-bit GEMVs over whole words: Q4_K (block_k elements = block_k / 64 chunks of 32 bytes per step) and
-    # GPTQ (block_k elements = block_k / 8 int32 words per step, never more than one group)
+    # Q4_K blocks as the file stores them (stacked experts), read in whole words: block_k elements = block_k / 64
+    # chunks of 32 bytes per step
     q4k_gemv: Tile = field(default_factory=lambda: Tile(block_n=16, block_k=512, num_warps=4, num_stages=2))
-    gptq_gemv: Tile = field(default_factory=lambda: Tile(block_n=64, block_k=128, num_warps=4, num_stages=2))
     # GEMVs split along k until about this many programs run (enough loads in flight to cover memory latency)
     gemv_programs: int = 0
+    # packed weights in their planes form (planes.py): the GEMV tile (block_n output columns, block_k inputs a
+    # step), the prefill GEMM tile, and measured tiles by (source layout, shape class), "*" for any class
+    planes_gemv: Tile = field(default_factory=lambda: Tile(block_n=512, block_k=128, num_warps=4, num_stages=1))
+    planes_gemm: Tile = field(default_factory=lambda: Tile(block_m=64, block_n=64, block_k=64, num_warps=4))
+    planes_table: dict[tuple[str, str], Tile] = field(default_factory=dict)
+    # programs the planes GEMV splits k to reach (each holds whole columns of a step: fewer, larger programs
+    # than the dense GEMV's)
+    planes_programs: int = 0
 
+
+# Planes GEMV tiles measured on the H200 by (source layout, shape class) (bench/gpu_decode.py --sweep); a
+# layout or class not listed uses Tuning.planes_gemv. split_k 0: chosen from the shape (splitk.choose_split).
+HOPPER_PLANES: dict[tuple[str, str], Tile] = {}
 
 _HOPPER = Tuning(
     name="cuda.sm90",
@@ -70,8 +81,13 @@ _HOPPER = Tuning(
     qgemm=Tile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3),
     decode_programs=264,  # two waves over the H100/H200's 132 SMs
     q4k_gemv=Tile(block_n=16, block_k=512, num_warps=4, num_stages=2),
-    gptq_gemv=Tile(block_n=128, block_k=128, num_warps=4, num_stages=2),
     gemv_programs=2112,  # 16 per SM: a 4096-wide GEMV in 8-row tiles is split 4 ways along k
+    # 2 warps of 32 lanes, 4 columns a load: 256 columns, each thread holding two groups of 4 (x read once
+    # serves 8 columns); see planes.py
+    planes_gemv=Tile(block_n=512, block_k=128, num_warps=2, num_stages=1),
+    planes_gemm=Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    planes_table=dict(HOPPER_PLANES),
+    planes_programs=528,  # 4 per SM
 )
 
 _AMPERE = Tuning(
@@ -88,6 +104,9 @@ _AMPERE = Tuning(
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
     decode_programs=216,
     gemv_programs=1728,
+    planes_gemv=Tile(block_n=512, block_k=128, num_warps=2, num_stages=1),
+    planes_gemm=Tile(block_m=128, block_n=64, block_k=32, num_warps=4, num_stages=3),
+    planes_programs=432,
 )
 
 # CDNA: 64-lane wavefronts, 64 KiB LDS per CU; the stream-pipeliner wants num_stages 2 at most here.
@@ -105,8 +124,10 @@ _CDNA3 = Tuning(
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=608,  # two waves over the MI300X's 304 CUs
     q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
-    gptq_gemv=Tile(block_n=64, block_k=128, num_warps=4, num_stages=1),
     gemv_programs=2432,
+    planes_gemv=Tile(block_n=512, block_k=128, num_warps=1, num_stages=1),  # 64 lanes: 256 columns a warp
+    planes_gemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    planes_programs=1216,
 )
 
 _CDNA2 = Tuning(
@@ -123,8 +144,10 @@ _CDNA2 = Tuning(
     qgemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=220,  # MI250X GCD: 110 CUs
     q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
-    gptq_gemv=Tile(block_n=64, block_k=128, num_warps=4, num_stages=1),
     gemv_programs=880,
+    planes_gemv=Tile(block_n=512, block_k=128, num_warps=1, num_stages=1),
+    planes_gemm=Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    planes_programs=440,
 )
 
 # RDNA3: wave32, WMMA, 64 KiB LDS per workgroup processor.
@@ -142,8 +165,10 @@ _RDNA3 = Tuning(
     qgemm=Tile(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=1),
     decode_programs=192,
     q4k_gemv=Tile(block_n=8, block_k=512, num_warps=4, num_stages=1),
-    gptq_gemv=Tile(block_n=32, block_k=128, num_warps=4, num_stages=1),
     gemv_programs=768,
+    planes_gemv=Tile(block_n=256, block_k=128, num_warps=1, num_stages=1),
+    planes_gemm=Tile(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=1),
+    planes_programs=192,
 )
 
 INTERPRETER = Tuning(
@@ -160,8 +185,9 @@ INTERPRETER = Tuning(
     qgemm=Tile(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1),
     decode_programs=4,
     q4k_gemv=Tile(block_n=4, block_k=128, num_warps=1, num_stages=1),
-    gptq_gemv=Tile(block_n=8, block_k=64, num_warps=1, num_stages=1),
     gemv_programs=8,
+    planes_gemv=Tile(block_n=32, block_k=64, num_warps=1, num_stages=1),
+    planes_gemm=Tile(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1),
 )
 
 TUNINGS: dict[str, Tuning] = {t.name: t for t in (_HOPPER, _AMPERE, _CDNA3, _CDNA2, _RDNA3, INTERPRETER)}
@@ -215,3 +241,25 @@ def row_warps(block: int, tuning: Tuning) -> int:
     warps = max(1, block // (tuning.warp_size * 4))
     warps = 1 << (warps.bit_length() - 1)
     return min(warps, tuning.row_warps)
+
+
+def shape_class(n: int, k: int) -> str:
+    """The coarse GEMV shape classes tile tables are keyed by: deep (k > 8192, down projections), wide
+    (n > 8192: gate/up, output heads), narrow (n <= 2048: k/v) and square (the rest: q, o, q/k/v joined)."""
+    if k > 8192:
+        return "deep"
+    if n > 8192:
+        return "wide"
+    if n <= 2048:
+        return "narrow"
+    return "square"
+
+
+def planes_tile(tuning: Tuning, source: str, n: int, k: int) -> Tile:
+    """The GEMV tile for a packed matrix of layout `source` ("gguf.Q4_K", "gptq.4", ...) and shape [n, k]: the
+    table's entry for (source, class), else (source, "*"), else ("*", class), else the tuning's default."""
+    table, cls = tuning.planes_table, shape_class(n, k)
+    for key in ((source, cls), (source, "*"), ("*", cls)):
+        if key in table:
+            return table[key]
+    return tuning.planes_gemv

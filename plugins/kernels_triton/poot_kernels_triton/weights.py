@@ -1,5 +1,7 @@
 """Weights on the device, as stored, and the concatenations the kernels like (q/k/v, gate/up).
 
+Dense weights keep their dtype; a packed matrix (GGUF, GPTQ, AWQ, FP8) keeps its bits, regrouped once into
+the planes layout the GPU kernels read (relayout.py); stacked GGUF experts stay in the file's layout.
 A concatenation is made once and the original tensors are replaced by views into it, so it costs no memory
 once the originals are released: every program that reads q_proj alone still finds it, and the programs
 that read q, k and v together read them in one GEMV.
@@ -13,14 +15,15 @@ import torch
 
 from poot_core import PackedWeight, Reason, Unsupported, Weight, weight_kind
 
+from .relayout import GGUF_BLOCKS, is_planes, join, to_planes
+
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
-GPTQ_KINDS = frozenset({"gptq.4"})
+OTHER_PACKED_KINDS = frozenset({"gptq.2", "gptq.3", "gptq.4", "gptq.8", "awq.4", "fp8.tensor", "fp8.channel",
+                                "fp8.block"})  # fmt: skip
 
 
 def packed_kinds() -> frozenset[str]:
-    from .quant import GGUF_TYPES
-
-    return frozenset(f"gguf.{name}" for name in GGUF_TYPES) | GPTQ_KINDS
+    return frozenset(f"gguf.{name}" for name in GGUF_BLOCKS) | OTHER_PACKED_KINDS
 
 
 def weight_bytes(w: Weight) -> int:
@@ -53,7 +56,7 @@ class DeviceWeights:
 
     def concatenated(self, names: tuple[str, ...]) -> Weight | None:
         """One weight holding the rows of `names` in order, or None when they cannot be joined (mixed
-        layouts, GPTQ, different widths). The originals become views into it."""
+        layouts or group sizes, act-order, different widths). The originals become views into it."""
         if names in self.fused:
             return self.fused[names]
         parts = [self.tensors[n] for n in names]
@@ -65,18 +68,13 @@ class DeviceWeights:
             for n, w in zip(names, parts, strict=True):
                 self.tensors[n] = joined[offset : offset + w.shape[0]]
                 offset += w.shape[0]
-        elif all(isinstance(w, PackedWeight) and w.layout == "gguf" for w in parts):
-            types = {str(w.meta.get("type")) for w in parts}
-            blocks = [w.parts["blocks"] for w in parts]
-            if len(types) != 1 or len({b.shape[1] for b in blocks}) != 1:
+        elif all(is_planes(w) for w in parts):
+            made = join(parts)
+            if made is None:
                 return None
-            rows = torch.cat(blocks, dim=0)
-            joined = PackedWeight("gguf", (rows.shape[0], parts[0].shape[1]), {"blocks": rows}, dict(parts[0].meta))
-            offset = 0
-            for n, w, b in zip(names, parts, blocks, strict=True):
-                view = rows[offset : offset + b.shape[0]]
-                self.tensors[n] = PackedWeight("gguf", w.shape, {"blocks": view}, dict(w.meta))
-                offset += b.shape[0]
+            joined, views = made
+            for n, view in zip(names, views, strict=True):
+                self.tensors[n] = view
         else:
             return None
         self.fused[names] = joined
@@ -87,7 +85,7 @@ def check_kind(name: str, w: Weight, backend: str = "cuda") -> None:
     """Refuse, naming the tensor, a weight layout the Triton kernels do not compute from."""
     kind = weight_kind(w)
     if isinstance(w, PackedWeight):
-        if kind not in packed_kinds():
+        if kind not in packed_kinds() or (len(w.shape) != 2 and w.layout != "gguf"):
             raise Unsupported(
                 Reason.QUANTIZATION,
                 f"{kind} (tensor {name})",
@@ -110,8 +108,10 @@ def activation_dtype(weights: dict[str, Weight]) -> torch.dtype:
 
 
 def to_device(w: Weight, device: torch.device) -> Weight:
-    """Copy one weight to the device unchanged (dtype and packing as stored)."""
+    """Copy one weight to the device: dense as stored, a packed matrix regrouped into planes on the device
+    (the same bits; stacked experts keep the file's layout)."""
     if isinstance(w, PackedWeight):
         parts = {k: v.to(device, non_blocking=False).contiguous() for k, v in w.parts.items()}
-        return PackedWeight(w.layout, w.shape, parts, dict(w.meta))
+        moved = PackedWeight(w.layout, w.shape, parts, dict(w.meta))
+        return to_planes(moved) or moved
     return w.to(device).contiguous()
