@@ -19,6 +19,7 @@ from poot_core.driver.core import (
 )
 from poot_core.driver.encoders import CrossEncoder, SentenceEncoder
 from poot_core.driver.sampling import Sampler
+from poot_core.driver.speculation import DraftPolicy
 from poot_core.errors import (
     CapacityError,
     CheckpointError,
@@ -64,4 +65,5 @@ __all__ = [
     "CrossEncoder", "SentenceEncoder", "MissingTensor", "Ref", "StateRef", "ValueRef", "WeightRef",
     "AttentionSpec", "attention_block", "gated_mlp", "projection", "Parts", "DerivedWeight", "GGUFTensors",
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
+    "DraftPolicy",
 ]

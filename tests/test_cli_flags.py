@@ -93,6 +93,8 @@ ACCEPTED: dict[str, tuple[list[str], str, object]] = {
     "--show-timings": ([], "show_timings", True), "--no-show-timings": ([], "show_timings", False),
     "--verbose-prompt": ([], "verbose_prompt", True),
     "-v": ([], "verbose", True), "--verbose": ([], "verbose", True), "--log-verbose": ([], "verbose", True),
+    "-md": (["d.gguf"], "model_draft", "d.gguf"), "--model-draft": (["d.gguf"], "model_draft", "d.gguf"),
+    "--draft-max": (["6"], "draft_max", 6), "--draft-min": (["2"], "draft_min", 2),
 }
 SPECIAL = {"-h", "--help", "--version"}  # print and exit 0: checked below
 

@@ -142,7 +142,7 @@ class Conversation:
             self._load_shown = True
             print(f"{load}prefill: {t.prefill_tokens} tokens in {t.prefill_seconds:.3f} s "
                   f"({t.prefill_tok_s:.1f} tok/s) | decode: {t.decode_tokens} tokens in {t.decode_seconds:.3f} s "
-                  f"({t.decode_tok_s:.1f} tok/s)", file=sys.stderr, flush=True)
+                  f"({t.decode_tok_s:.1f} tok/s){_speculation(t)}", file=sys.stderr, flush=True)
 
     # --- commands -------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -290,3 +290,9 @@ class Terminal:
         except RequestError as exc:
             print(f"poot: {exc}", file=sys.stderr, flush=True)
         return False
+
+
+def _speculation(t: Any) -> str:
+    if not t.proposed:
+        return ""
+    return f" | draft: {t.accepted} of {t.proposed} proposed tokens accepted ({100 * t.acceptance_rate:.0f}%)"

@@ -65,6 +65,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose-prompt", action="store_true", help="print the rendered prompt and its tokens to stderr")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, stop reason, timings) instead of streaming the text")
+    spec = p.add_argument_group("speculative decoding (greedy output is unchanged)")
+    spec.add_argument("-md", "--model-draft", metavar="FILE",
+                      help="a smaller model of the same vocabulary proposes tokens the model verifies in one step")
+    spec.add_argument("--lookup", action="store_true",
+                      help="prompt lookup: propose the tokens that followed the last ones earlier in the prompt "
+                           "and reply")
+    spec.add_argument("--mtp", type=int, default=None, metavar="N",
+                      help="the model's multi-token-prediction (nextn) layers propose N tokens")
+    spec.add_argument("--draft-max", type=int, default=None, metavar="N",
+                      help="most tokens proposed per verify step (default: 8)")
+    spec.add_argument("--draft-min", type=int, default=None, metavar="N",
+                      help="fewest proposed tokens worth a verify step (default: 1)")
     p.add_argument("--prefill-chunk", type=int, dest="batch_size", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"poot {version()}")
     p.set_defaults(run=run)
@@ -112,12 +124,54 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.n_predict < -1:
         raise RequestError(f"-n must be -1 or >= 0, got {args.n_predict}")
     runtime.check_device_flags(args)
+    _check_draft_flags(args)
     if args.temp <= 0:
         unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                            ("--min-p", args.min_p), ("-s", args.seed)) if value is not None]
         if unused:
             runtime.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at --temp 0 "
                          "(greedy decoding); give --temp above 0 to sample")
+
+
+def _check_draft_flags(args: argparse.Namespace) -> None:
+    given = [flag for flag, on in (("-md", args.model_draft is not None), ("--lookup", args.lookup),
+                                   ("--mtp", args.mtp is not None)) if on]
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)} are different ways to propose tokens; give one")
+    sizes = [flag for flag, v in (("--draft-max", args.draft_max), ("--draft-min", args.draft_min)) if v is not None]
+    if sizes and not given:
+        raise RequestError(f"{', '.join(sizes)} {'sets' if len(sizes) == 1 else 'set'} speculative decoding's "
+                           "proposals; give -md FILE, --lookup or --mtp N with it")
+    if args.mtp is not None and args.draft_max is not None:
+        raise RequestError("--mtp N sets how many tokens the nextn layers propose; it does not combine with "
+                           "--draft-max")
+    k = args.mtp if args.mtp is not None else args.draft_max
+    if k is not None and k < 1:
+        raise RequestError(f"{'--mtp' if args.mtp is not None else '--draft-max'} must be >= 1, got {k}")
+    if args.draft_min is not None and not 0 <= args.draft_min <= (k if k is not None else 8):
+        raise RequestError(f"--draft-min must be between 0 and the tokens proposed ({k or 8}), got "
+                           f"{args.draft_min}")
+    if args.model_draft is not None and not Path(args.model_draft).exists():
+        raise RequestError(f"no such draft checkpoint: {args.model_draft}")
+
+
+def _draft_policy(args: argparse.Namespace, model: Path) -> Any:
+    """The DraftPolicy the flags ask for, checked against the model from configs and tokenizers only (a draft
+    of another vocabulary, MTP on a model without nextn layers): refused before any tensor is read."""
+    from poot_core import DraftPolicy, ModelHandle
+    from poot_core.driver.speculation import check_draft
+
+    sizes = {key: v for key, v in (("k", args.draft_max), ("min_k", args.draft_min)) if v is not None}
+    if args.lookup:
+        return DraftPolicy.PromptLookup(**sizes)
+    if args.model_draft is None and args.mtp is None:
+        return DraftPolicy.OFF
+    if args.mtp is not None:
+        policy = DraftPolicy.Mtp(k=args.mtp, **sizes)
+    else:
+        policy = DraftPolicy.DraftModel(ModelHandle.load(Path(args.model_draft)), **sizes)
+    check_draft(policy, ModelHandle.load(model))
+    return policy
 
 
 def _model_has_template(model: Path) -> bool:
@@ -158,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(f"--system-prompt needs a chat template and {model} ships none; pass "
                            "--chat-template-file, or put the text in the prompt")
     prompt = _prompt_text(args)
-    loaded = runtime.load(args, model, default_ctx=DEFAULT_CTX)
+    draft = _draft_policy(args, model)
+    loaded = runtime.load(args, model, default_ctx=DEFAULT_CTX, draft=draft)
     chat = Conversation(args, loaded, template, use_chat)
     if args.conversation:
         return run_conversation(chat, prompt)
@@ -176,4 +231,5 @@ def _json_result(chat: Conversation, result: Any) -> dict[str, Any]:
             "timings": {"load_seconds": chat.loaded.load_seconds, "prefill_tokens": t.prefill_tokens,
                         "prefill_seconds": t.prefill_seconds, "prefill_tok_s": t.prefill_tok_s,
                         "decode_tokens": t.decode_tokens, "decode_seconds": t.decode_seconds,
-                        "decode_tok_s": t.decode_tok_s, "reused_tokens": t.reused_tokens}}
+                        "decode_tok_s": t.decode_tok_s, "reused_tokens": t.reused_tokens,
+                        "proposed": t.proposed, "accepted": t.accepted}}

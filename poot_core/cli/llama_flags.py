@@ -14,7 +14,8 @@ _CPU_PINNING = "poot sets only the CPU thread counts: -t (decode) and -tb (prefi
 _NO_DOWNLOAD = "poot never downloads models; pass a local checkpoint (a safetensors directory or .gguf) with -m"
 _TEXT_ONLY = "poot generate is text only"
 _NO_SERVER = "poot's command line has no server"
-_NO_SPECULATIVE = "poot's command line has no speculative decoding"
+_NO_SPECULATIVE = ("poot's speculative decoding takes -md FILE (a draft model), --lookup (prompt lookup) or "
+                   "--mtp N, with --draft-max and --draft-min")
 _ROPE = "poot reads rope scaling from the checkpoint's config"
 _NO_SHIFT = ("poot does not shift the context: a reply that fills -c stops with 'context full' "
              "(in --conversation, /reset starts over)")
@@ -97,9 +98,8 @@ _GROUPS: list[tuple[tuple[str, ...], str]] = [
     (("--completion-bash",), "poot has no completion script"),
     (("--server-base", "-a", "--alias", "--tags", "--host", "--port", "--api-key", "--api-key-file", "-to",
       "--timeout"), _NO_SERVER),
-    (("-lcs", "--lookup-cache-static", "-lcd", "--lookup-cache-dynamic", "--mtp", "--dflash", "--eagle3",
-      "--spec-type", "--draft", "--draft-n", "--draft-max", "--draft-min", "--draft-n-min", "-md",
-      "--model-draft"), _NO_SPECULATIVE),
+    (("-lcs", "--lookup-cache-static", "-lcd", "--lookup-cache-dynamic", "--dflash", "--eagle3", "--spec-type",
+      "--draft", "--draft-n", "--draft-n-min"), _NO_SPECULATIVE),
     (("--chunks",), "--chunks applies to `poot perplexity`"),
 ]
 

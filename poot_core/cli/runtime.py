@@ -153,8 +153,10 @@ def check_memory(args: argparse.Namespace, model: Path, executor: Any, handle: A
                             f"available; give -c {fits} or less")
 
 
-def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: bool = False) -> Loaded:
-    """Open the device, load the checkpoint and prepare the driver for the chosen window."""
+def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: bool = False,
+         draft: Any = None) -> Loaded:
+    """Open the device, load the checkpoint and prepare the driver for the chosen window (and `draft`, a
+    DraftPolicy, for speculative decoding)."""
     from poot_core import Driver, DriverOptions, ModelHandle
     from poot_core.cli.progress import warm_with_progress
 
@@ -172,7 +174,10 @@ def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: boo
     log(args, f"model {model} ({config.family}, {config.architecture}); backend {executor.name}; context {ctx} "
               f"of the model's {config.max_positions}; threads {threads.decode} (prefill {threads.prefill})")
     check_memory(args, model, executor, handle, config, ctx)
-    driver = Driver(handle, executor, DriverOptions(capacity=ctx, prefill_chunk=min(args.batch_size, ctx)))
+    options = DriverOptions(capacity=ctx, prefill_chunk=min(args.batch_size, ctx))
+    if draft is not None:
+        options.draft = draft
+    driver = Driver(handle, executor, options)
     if not logits:
         driver.serve()
     seconds = time.perf_counter() - t0

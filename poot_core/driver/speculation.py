@@ -113,8 +113,13 @@ def check_draft(draft: Draft, target: ModelHandle) -> None:
     if isinstance(draft, DraftModel):
         check_same_vocabulary(target, draft.handle)
     elif isinstance(draft, Mtp):
-        raise Unsupported(Reason.SHAPE, f"MTP speculation on {target.family.name}",
-                          "multi-token-prediction proposals are not built yet; use prompt lookup or a draft model")
+        config = target.config()
+        if not int(getattr(config.params, "mtp_layers", 0) or 0):
+            raise Unsupported(Reason.SHAPE, f"MTP speculation on {config.architecture}",
+                              "the checkpoint has no multi-token-prediction (nextn) layers; use prompt lookup "
+                              "or a draft model")
+        raise Unsupported(Reason.SHAPE, f"MTP speculation on {config.architecture}",
+                          "proposals from the nextn layers are not built yet; use prompt lookup or a draft model")
     elif not isinstance(draft, Off | PromptLookup):
         raise RequestError(f"DriverOptions.draft must be a DraftPolicy, got {draft!r}")
 
