@@ -274,6 +274,8 @@ class Driver:
             timings.decode_tokens += 1
             if decided:
                 continue
+            if spec is not None:
+                spec.clock(time.perf_counter())
             proposal = None if spec is None else spec.propose(
                 history, min(limit - len(generated), cap - position) - 1, sampler)
             if proposal is None:

@@ -280,31 +280,77 @@ def _draw_residual(sampler: Sampler, p_ids: np.ndarray, p: np.ndarray, q_ids: np
 
 @dataclass
 class Speculation:
-    """One request's proposer with an adaptive proposal length: it grows by 2 after a proposal kept whole
-    and falls to one past what was kept otherwise (Hugging Face's heuristic schedule), so that text the
-    proposer cannot predict costs verify steps of width 2, close to a decode step."""
+    """A driver's proposer, and how many tokens to ask it for, chosen by expected speed.
+
+    With a the estimated chance that the target keeps a proposed token (decayed counts of kept and rejected
+    tokens, a geometric model), a proposal of k tokens yields 1 + a + ... + a^k tokens for the measured time of
+    a step of width k + 1, proposing included; the k of most tokens per second wins, k = 0 being a plain decode
+    step. A width not measured yet is taken to cost a decode step, so each is tried once. Where widths up to
+    some size cost about a decode step and wider ones several (the CPU executor: 4), the length settles
+    there; where proposals are rarely kept, at short proposals or none (a probe of one token every few decode
+    steps keeps the estimate current).
+
+    Sampled requests keep their lengths a function of the tokens alone, so that a seed gives the same tokens
+    on every run (the number of random draws follows the proposals): Hugging Face's heuristic schedule, 2
+    more after a proposal kept whole, else one past what was kept."""
 
     proposer: Proposer
     k: int
     min_k: int
-    length: int = field(init=False)
+    kept_tokens: float = 3.0  # decayed counts; the prior a = 0.75 lets the first proposals be long
+    rejected: float = 1.0
+    cost: dict[int, float] = field(default_factory=dict)  # step width -> seconds (moving average)
+    idle: int = 0  # decode steps since the last proposal
+    schedule: int = 0  # the sampled requests' length
+    _width: int = 0  # the width of the step under way
+    _since: float | None = None
 
-    def __post_init__(self) -> None:
-        self.length = self.k
+    DECAY = 0.9
+    PROBE_EVERY = 8
 
     def begin(self, prompt: list[int]) -> None:
-        self.length = self.k
+        self._since, self._width, self.schedule = None, 0, self.k
         self.proposer.begin(prompt)
 
+    def length(self) -> int:
+        """The proposal length of most expected tokens per second (0: a plain decode step)."""
+        decode = self.cost.get(1)
+        if decode is None:
+            return self.k
+        a = self.kept_tokens / (self.kept_tokens + self.rejected)
+        best, best_rate, expected = 0, 1.0 / decode, 1.0
+        for k in range(1, self.k + 1):
+            expected += a**k
+            rate = expected / self.cost.get(k + 1, decode)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def clock(self, now: float) -> None:
+        """A decision point of the decode loop: the time since the last one was the last step's (its
+        proposal, step and picks)."""
+        if self._since is not None and self._width:
+            seconds = now - self._since
+            old = self.cost.get(self._width)
+            self.cost[self._width] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self._since = now
+
     def propose(self, history: list[int], room: int, sampler: Sampler) -> Proposal | None:
-        """A proposal of at most min(length, room) tokens, or None where a plain decode step is better."""
-        k = min(self.length, room)
-        if k < max(self.min_k, 1):
+        """A proposal of at most `room` tokens, or None where a plain decode step is better."""
+        k = self.length() if sampler.temperature == 0.0 else self.schedule
+        if k == 0 and self.idle + 1 >= self.PROBE_EVERY:
+            k = 1
+        k = min(max(k, self.min_k) if k else 0, room)
+        proposal = self.proposer.propose(history, k, sampler) if k >= max(self.min_k, 1) else None
+        if proposal is None or len(proposal.tokens) < max(self.min_k, 1):
+            self.idle += 1
+            self._width = 1
             return None
-        proposal = self.proposer.propose(history, k, sampler)
-        if len(proposal.tokens) < max(self.min_k, 1):
-            return None
+        self.idle = 0
         return proposal
 
     def kept(self, proposed: int, accepted: int) -> None:
-        self.length = min(self.k, self.length + 2) if accepted == proposed else max(1, accepted + 1)
+        self._width = proposed + 1
+        self.schedule = min(self.k, self.schedule + 2) if accepted == proposed else max(1, accepted + 1)
+        self.kept_tokens = self.DECAY * self.kept_tokens + accepted
+        self.rejected = self.DECAY * self.rejected + (accepted < proposed)
