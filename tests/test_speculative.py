@@ -291,3 +291,42 @@ def test_sampling_keeps_the_target_distribution(checkpoint, policy, tmp_path):
             g = drafting.generate(GenerateRequest(prompt, max_new=n, sampler=_sampler(seed), ignore_eos=True))
             q_counts[tuple(g.tokens)] = q_counts.get(tuple(g.tokens), 0) + 1
         assert _chi_square_p(q_counts, joint, draws // 4) < 1e-6
+
+
+# --- the proposers and the length choice ---------------------------------------------------------------------
+def _latest_match(history: list[int], max_n: int, min_n: int, k: int) -> list[int]:
+    """Brute force: the longest n whose last n tokens occurred before; the latest such occurrence."""
+    for n in range(min(max_n, len(history) - 1), min_n - 1, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                follow = history[start + n :]
+                return [follow[j % len(follow)] for j in range(k)]
+    return []
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    from poot_core.driver.speculation import LookupProposer
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        history = [int(t) for t in rng.integers(0, 6, size=int(rng.integers(2, 40)))]
+        policy = DraftPolicy.PromptLookup(max_ngram=int(rng.integers(1, 4)), min_ngram=1, k=int(rng.integers(1, 9)))
+        proposer = LookupProposer(policy)
+        proposer.begin(history[:1])
+        for end in range(2, len(history) + 1):  # grown token by token, as during decoding
+            got = proposer.propose(history[:end], policy.k, Sampler.greedy()).tokens
+            assert got == _latest_match(history[:end], policy.max_ngram, policy.min_ngram, policy.k), (trial, end)
+
+
+def test_the_proposal_length_follows_measured_cost_and_acceptance():
+    from poot_core.driver.speculation import LookupProposer, Speculation
+
+    spec = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=8, min_k=1)
+    assert spec.length() == 8  # nothing measured: the longest
+    # The CPU's shape: widths up to 4 cost a little more than decode, wider ones about 3 decode steps.
+    spec.cost = {1: 1.0, 2: 1.2, 3: 1.25, 4: 1.3} | {w: 3.0 for w in range(5, 10)}
+    spec.kept_tokens, spec.rejected = 9.0, 1.0  # 90% kept
+    assert spec.length() == 3
+    spec.kept_tokens, spec.rejected = 0.1, 9.9  # 1% kept: plain decode steps
+    assert spec.length() == 0
