@@ -66,7 +66,7 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
-    def wait(self, timeout: float = 60) -> int:
+    def wait(self, timeout: float = 240) -> int:
         end = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < end:
             self._read(0.2)
