@@ -542,6 +542,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         log("poot", json.dumps({k: v for k, v in r.items() if k != "kernel_us_per_step"}))
         save()
+    summary(out)  # before transformers' compile, which can take minutes
     if not args.no_hf:
         out["transformers"] = {}
         try:

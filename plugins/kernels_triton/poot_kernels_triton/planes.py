@@ -292,6 +292,47 @@ def _planes_values(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr,
 
 
 @triton.jit
+def _planes_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr, k0, k, offs_n, nmask, lo_stride,
+                 hi_stride, sc_stride, d_stride, z_stride, m_stride, dm_stride, LB: tl.constexpr, HB: tl.constexpr,
+                 GROUP: tl.constexpr, SUPER: tl.constexpr, SC_INT: tl.constexpr, ZKIND: tl.constexpr,
+                 ZC: tl.constexpr, ZB: tl.constexpr, ZOFF: tl.constexpr, MKIND: tl.constexpr, BR: tl.constexpr,
+                 TABLE: tl.constexpr, FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W^T[k0:k0+BLOCK_K, offs_n] as float32 (planes row order), from whole words: each lo word loaded once
+    and split into its fields, each group's scale, zero and minimum loaded once and spread over its rows."""
+    FPW: tl.constexpr = 32 // LB
+    KW: tl.constexpr = BLOCK_K // FPW
+    kw = k0 // FPW + tl.arange(0, KW)
+    wmask = (kw < k // FPW)[:, None] & nmask[None, :]
+    w = tl.load(lo_ptr + kw[:, None].to(tl.int64) * lo_stride + offs_n[None, :], mask=wmask, other=0)
+    e = tl.arange(0, FPW)
+    q = (w[:, None, :] >> (e * LB)[None, :, None]) & ((1 << LB) - 1)  # [KW, FPW, BLOCK_N]
+    if HB > 0:
+        R: tl.constexpr = LB // HB
+        hw = tl.load(hi_ptr + (kw // R)[:, None].to(tl.int64) * hi_stride + offs_n[None, :], mask=wmask, other=0)
+        pos = (LB * (e[None, :] + 1) + (kw % R)[:, None] * HB) % 32  # [KW, FPW] (relayout.hi_position)
+        q = q | (((hw[:, None, :] >> pos[:, :, None]) & ((1 << HB) - 1)) << LB)
+    q = tl.reshape(q, [BLOCK_K, BLOCK_N])
+    if TABLE:
+        v = tl.load(tab_ptr + q)
+    elif FP8:
+        bits = ((q & 0x7F) << 20) | ((q & 0x80) << 24)
+        v = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+    else:
+        v = q.to(tl.float32)
+    # groups in the tile: BLOCK_K / GROUP of them, or one when a group spans several tiles
+    GT: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
+    g = (k0 + tl.arange(0, GT) * (BLOCK_K // GT)) // GROUP
+    gmask = (g * GROUP < k)[:, None] & nmask[None, :]
+    s, z, mn = _group_params(sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, g[:, None], offs_n[None, :], gmask, sc_stride,
+                             d_stride, z_stride, m_stride, dm_stride, GROUP, SUPER, SC_INT, ZKIND, ZC, ZB, ZOFF,
+                             MKIND, BR)  # fmt: skip
+    scale = tl.reshape(tl.broadcast_to(s[:, None, :], [GT, BLOCK_K // GT, BLOCK_N]), [BLOCK_K, BLOCK_N])
+    offset = mn - s * z  # value = scale * q + (min - scale * zero)
+    offset = tl.reshape(tl.broadcast_to(offset[:, None, :], [GT, BLOCK_K // GT, BLOCK_N]), [BLOCK_K, BLOCK_N])
+    return scale * v + offset
+
+
+@triton.jit
 def _planes_gemm_kernel(
     x_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, perm_ptr, tab_ptr, b_ptr, o_ptr,
     m, n, k, x_stride, lo_stride, hi_stride, sc_stride, d_stride, z_stride, m_stride, dm_stride, o_stride,
@@ -300,8 +341,9 @@ def _planes_gemm_kernel(
     BR: tl.constexpr, TABLE: tl.constexpr, FP8: tl.constexpr, PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """A [BLOCK_M, BLOCK_N] output tile: per step a [BLOCK_K, BLOCK_N] weight tile rebuilt in registers, in
-    x's dtype, into tl.dot. PERM: input rows are read through perm (act-order)."""
+    """A [BLOCK_M, BLOCK_N] output tile: per step a [BLOCK_K, BLOCK_N] weight tile rebuilt in registers from
+    whole words (_planes_tile), in x's dtype, into tl.dot. PERM: input rows are read through perm (act-order).
+    BLOCK_K is a multiple of the rows one hi word serves (32 for 2-bit fields) and k of BLOCK_K."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < m
@@ -315,10 +357,9 @@ def _planes_gemm_kernel(
             a = gemm_x_tile(x_ptr, x_stride, offs_m, src, mmask, kmask)
         else:
             a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
-        b = _planes_values(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr, offs_k[:, None],
-                           offs_n[None, :], kmask[:, None] & nmask[None, :], lo_stride, hi_stride, sc_stride,
-                           d_stride, z_stride, m_stride, dm_stride, LB, HB, GROUP, SUPER, SC_INT, ZKIND, ZC, ZB,
-                           ZOFF, MKIND, BR, TABLE, FP8)  # fmt: skip
+        b = _planes_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr, k0, k, offs_n, nmask,
+                         lo_stride, hi_stride, sc_stride, d_stride, z_stride, m_stride, dm_stride, LB, HB, GROUP,
+                         SUPER, SC_INT, ZKIND, ZC, ZB, ZOFF, MKIND, BR, TABLE, FP8, BLOCK_K, BLOCK_N)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
         else:
@@ -447,9 +488,13 @@ def planes_linear(
         )  # fmt: skip
     else:
         tile = tuning.planes_gemm
+        lb, hb = int(w.meta["lb"]), int(w.meta["hb"])
+        block_k = tile.block_k
+        while block_k % ((32 // lb) * (lb // hb if hb else 1)):  # whole lo words, whole hi words
+            block_k *= 2
         launch(
             _planes_gemm_kernel, (cdiv(m, tile.block_m), cdiv(n, tile.block_n)), tile, m=m,
-            UPCAST=tuning.upcast_dot, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common,
+            UPCAST=tuning.upcast_dot, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, **common,
         )  # fmt: skip
     return out
 
