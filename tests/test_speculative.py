@@ -130,7 +130,7 @@ def test_stops_eos_max_new_and_callbacks_inside_an_accepted_run(checkpoint, arch
         "eos": (eos_handle, GenerateRequest(prompt, max_new=12, sampler=sampler), None, at_eos),
         "stop": (handle, GenerateRequest(prompt, max_new=12, sampler=sampler, stops=[pieces[at_stop]],
                                          ignore_eos=True), None, at_stop),
-        "length": (handle, GenerateRequest(prompt, max_new=4, sampler=sampler, ignore_eos=True), None, 3),
+        "length": (handle, GenerateRequest(prompt, max_new=6, sampler=sampler, ignore_eos=True), None, 5),
         "callback": (handle, GenerateRequest(prompt, max_new=12, sampler=sampler, ignore_eos=True), 3, 2),
     }
     for name, (h, request, break_after, end) in cases.items():
@@ -145,7 +145,7 @@ def test_stops_eos_max_new_and_callbacks_inside_an_accepted_run(checkpoint, arch
             return _generate(h, draft, request, ex, on_token), seen
 
         plain, plain_seen = run(DraftPolicy.OFF)
-        spec, spec_seen = run(DraftPolicy.DraftModel(h, k=4))
+        spec, spec_seen = run(DraftPolicy.DraftModel(h, k=4, min_k=4))  # always 4
         assert plain.stop_reason == name and len(plain.tokens) == end + 1, name
         assert (spec.tokens, spec.text, spec.stop_reason) == (plain.tokens, plain.text, plain.stop_reason), name
         assert spec_seen == plain_seen, name  # the same callbacks, piece by piece
@@ -323,10 +323,18 @@ def test_the_proposal_length_follows_measured_cost_and_acceptance():
     from poot_core.driver.speculation import LookupProposer, Speculation
 
     spec = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=8, min_k=1)
-    assert spec.length() == 8  # nothing measured: the longest
+    assert spec.length() == 1  # nothing measured: it starts short
+    spec.steps, spec.per_proposed = {1: 1.0, 2: 1.1}, 0.0
+    assert spec.length() == 2  # and grows one past the widest step measured
     # The CPU's shape: widths up to 4 cost a little more than decode, wider ones about 3 decode steps.
-    spec.cost = {1: 1.0, 2: 1.2, 3: 1.25, 4: 1.3} | {w: 3.0 for w in range(5, 10)}
+    spec.steps = {1: 1.0, 2: 1.2, 3: 1.25, 4: 1.3} | {w: 3.0 for w in range(5, 10)}
     spec.kept_tokens, spec.rejected = 9.0, 1.0  # 90% kept
     assert spec.length() == 3
+    spec.per_proposed = 1.0  # a draft model as slow as the target: not worth it even when all is kept
+    spec.kept_tokens, spec.rejected = 10.0, 0.0
+    assert spec.length() == 0
+    spec.per_proposed = 0.0
     spec.kept_tokens, spec.rejected = 0.1, 9.9  # 1% kept: plain decode steps
     assert spec.length() == 0
+    fixed = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=4, min_k=4)
+    assert fixed.length() == 4  # min_k = k: always k

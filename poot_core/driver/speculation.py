@@ -12,6 +12,7 @@ probability p(d).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
@@ -283,12 +284,15 @@ class Speculation:
     """A driver's proposer, and how many tokens to ask it for, chosen by expected speed.
 
     With a the estimated chance that the target keeps a proposed token (decayed counts of kept and rejected
-    tokens, a geometric model), a proposal of k tokens yields 1 + a + ... + a^k tokens for the measured time of
-    a step of width k + 1, proposing included; the k of most tokens per second wins, k = 0 being a plain decode
-    step. A width not measured yet is taken to cost a decode step, so each is tried once. Where widths up to
-    some size cost about a decode step and wider ones several (the CPU executor: 4), the length settles
-    there; where proposals are rarely kept, at short proposals or none (a probe of one token every few decode
-    steps keeps the estimate current).
+    tokens, a geometric model), a proposal of k tokens yields 1 + a + ... + a^k tokens for k times the measured
+    cost of proposing a token plus the measured cost of a target step of width k + 1; the k of most tokens per
+    second wins, k = 0 being a plain decode step. The length grows one past the widest step measured at a
+    time, so the costs are learnt from short proposals up, and a step not measured yet is taken to cost what
+    the dearest narrower one did (a wider step never costs less). Where widths up to some size cost about a
+    decode step and wider ones several (the CPU executor: 4), the length settles there; where proposals are
+    rarely kept, or proposing costs about what it saves (a draft model as slow as the target), at none (a
+    probe of one token every few decode steps keeps the estimate current). Lengths stay within
+    [min_k, k]: min_k = k fixes them.
 
     Sampled requests keep their lengths a function of the tokens alone, so that a seed gives the same tokens
     on every run (the number of random draws follows the proposals): Hugging Face's heuristic schedule, 2
@@ -297,12 +301,14 @@ class Speculation:
     proposer: Proposer
     k: int
     min_k: int
-    kept_tokens: float = 3.0  # decayed counts; the prior a = 0.75 lets the first proposals be long
+    kept_tokens: float = 3.0  # decayed counts; the prior a = 0.75
     rejected: float = 1.0
-    cost: dict[int, float] = field(default_factory=dict)  # step width -> seconds (moving average)
+    steps: dict[int, float] = field(default_factory=dict)  # target step width -> seconds (moving average)
+    per_proposed: float | None = None  # seconds of proposing one token (moving average)
     idle: int = 0  # decode steps since the last proposal
     schedule: int = 0  # the sampled requests' length
     _width: int = 0  # the width of the step under way
+    _proposing: float = 0.0  # the seconds of its proposal
     _since: float | None = None
 
     DECAY = 0.9
@@ -312,17 +318,24 @@ class Speculation:
         self._since, self._width, self.schedule = None, 0, self.k
         self.proposer.begin(prompt)
 
+    def _step_cost(self, width: int) -> float:
+        known = self.steps.get(width)
+        if known is not None:
+            return known
+        return max((c for w, c in self.steps.items() if w < width), default=min(self.steps.values()))
+
     def length(self) -> int:
         """The proposal length of most expected tokens per second (0: a plain decode step)."""
-        decode = self.cost.get(1)
-        if decode is None:
-            return self.k
+        widest = max(self.steps, default=1)
+        limit = min(self.k, max(self.min_k, widest))  # one past the widest step measured
+        if not self.steps or self.per_proposed is None:
+            return limit
         a = self.kept_tokens / (self.kept_tokens + self.rejected)
-        best, best_rate, expected = 0, 1.0 / decode, 1.0
-        for k in range(1, self.k + 1):
+        best, best_rate, expected = 0, 1.0 / self._step_cost(1), 1.0
+        for k in range(1, limit + 1):
             expected += a**k
-            rate = expected / self.cost.get(k + 1, decode)
-            if rate > best_rate:
+            rate = expected / (k * self.per_proposed + self._step_cost(k + 1))
+            if k >= self.min_k and rate > best_rate:
                 best, best_rate = k, rate
         return best
 
@@ -330,10 +343,10 @@ class Speculation:
         """A decision point of the decode loop: the time since the last one was the last step's (its
         proposal, step and picks)."""
         if self._since is not None and self._width:
-            seconds = now - self._since
-            old = self.cost.get(self._width)
-            self.cost[self._width] = seconds if old is None else 0.7 * old + 0.3 * seconds
-        self._since = now
+            seconds = max(now - self._since - self._proposing, 1e-9)
+            old = self.steps.get(self._width)
+            self.steps[self._width] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self._since, self._proposing = now, 0.0
 
     def propose(self, history: list[int], room: int, sampler: Sampler) -> Proposal | None:
         """A proposal of at most `room` tokens, or None where a plain decode step is better."""
@@ -341,7 +354,13 @@ class Speculation:
         if k == 0 and self.idle + 1 >= self.PROBE_EVERY:
             k = 1
         k = min(max(k, self.min_k) if k else 0, room)
-        proposal = self.proposer.propose(history, k, sampler) if k >= max(self.min_k, 1) else None
+        proposal = None
+        if k >= max(self.min_k, 1):
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(history, k, sampler)
+            self._proposing = time.perf_counter() - t0
+            per = self._proposing / k
+            self.per_proposed = per if self.per_proposed is None else 0.7 * self.per_proposed + 0.3 * per
         if proposal is None or len(proposal.tokens) < max(self.min_k, 1):
             self.idle += 1
             self._width = 1
@@ -351,6 +370,6 @@ class Speculation:
 
     def kept(self, proposed: int, accepted: int) -> None:
         self._width = proposed + 1
-        self.schedule = min(self.k, self.schedule + 2) if accepted == proposed else max(1, accepted + 1)
         self.kept_tokens = self.DECAY * self.kept_tokens + accepted
         self.rejected = self.DECAY * self.rejected + (accepted < proposed)
+        self.schedule = min(self.k, self.schedule + 2) if accepted == proposed else max(1, accepted + 1)
