@@ -172,6 +172,11 @@ class Driver:
         if Layout(layout) is Layout.PAGED:
             from poot_core.driver.engine import ServingDriver
 
+            if self._speculation is not None:
+                raise Unsupported(Reason.SHAPE, "speculative decoding in the paged layout",
+                                  "only the contiguous layout speculates so far; serve(Layout.CONTIGUOUS) or "
+                                  "DraftPolicy.OFF")
+
             return ServingDriver(self)
         self.layout = Layout.CONTIGUOUS
         # Prepare the decode step now, so an op the executor cannot run is refused before any work.
