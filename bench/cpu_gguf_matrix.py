@@ -271,6 +271,14 @@ def memory_text(r: dict[str, Any]) -> str:
     return f"poot {one(r['poot'])}; llama.cpp {one(r['llama_cpp'])}"
 
 
+def _code_state() -> str:
+    """The commit measured, and whether the working tree had changes (the tree is shared while people work)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if git("status", "--porcelain") else "")
+
+
 def _names(value: str, allowed: tuple[str, ...]) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [n for n in names if n not in allowed]
@@ -302,7 +310,8 @@ def main() -> int:
     prompt_tokens, new_tokens = (128, 16) if args.quick else (512, 128)
     new_tokens = args.new_tokens or new_tokens
     results: dict[str, Any] = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": args.rounds,
-                               "engine_threads": args.threads, "llama2048": LLAMA2048, "models": {}}
+                               "engine_threads": args.threads, "llama2048": LLAMA2048, "code": _code_state(),
+                               "models": {}}
     name = "cpu_gguf_matrix_quick" if args.quick else "cpu_gguf_matrix"
     t0 = time.perf_counter()
     for model in args.models:
