@@ -138,7 +138,7 @@ def record_rocm_launches(arch: str, checkpoints: list[str]) -> list:
             "qweight": torch.zeros(64, 256, dtype=torch.int32),
             "qzeros": torch.zeros(4, 32, dtype=torch.int32),
             "scales": torch.zeros(4, 256, dtype=torch.bfloat16),
-            "g_idx": torch.zeros(512, dtype=torch.int32),
+            "g_idx": torch.arange(512, dtype=torch.int32) // 128,
         },
         {"bits": 4, "group_size": 128, "sym": True, "desc_act": False},
     )
@@ -194,7 +194,7 @@ def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_check
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], json.dumps(report["failures"], indent=1)
     built = {c["kernel"] for c in report["compiled"]}
-    # what the binding must have used: norms, rope, KV writes, both attentions, dense, GGUF and GPTQ
+    # what the binding must have used: norms, rope, KV writes, both attentions, dense, GGUF and GPTQ (planes)
     # products, gated activation and the greedy argmax
     for kernel in (
         "norm._add_rms_norm_kernel",
@@ -202,8 +202,8 @@ def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_check
         "attention._prefill_kernel",
         "attention._decode_split_kernel",
         "attention._decode_reduce_kernel",
-        "quant._gptq_gemv_kernel",
-        "quant._gptq_gemm_kernel",
+        "planes._planes_gemv_kernel",
+        "planes._planes_gemm_kernel",
         "matmul._gemv_kernel",
         "matmul._gemm_kernel",
         "rope._rope_kernel",
@@ -211,11 +211,11 @@ def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_check
         "activation._gated_kernel",
     ):
         assert kernel in built, f"{kernel} never compiled; built: {sorted(built)}"
-    assert any(k.startswith("quant._gguf") for k in built)
+    assert "planes._planes_rows_kernel" in built  # the GGUF embedding rows, read from the planes layout
     assert all(c["bytes"] > 0 for c in report["compiled"])
     # float32 activations (the f32 checkpoint, the GGUF embedding's identity product) and bfloat16 ones
     pointer_types = {t for c in report["compiled"] for t in c["signature"].values()}
-    assert {"*fp32", "*bf16", "*u8"} <= pointer_types
+    assert {"*fp32", "*bf16"} <= pointer_types
 
 
 # -- the probe, automatic selection, refusals --------------------------------------------------------------
@@ -350,10 +350,14 @@ def test_fp8_on_cdna3_is_refused_for_the_missing_kernel_not_the_hardware():
 
 
 def test_other_layouts_and_sizes_are_refused_as_on_cuda():
-    awq = PackedWeight("awq", (64, 64), {"qweight": torch.zeros(64, 8, dtype=torch.int32)}, {"bits": 4})
+    gptq5 = PackedWeight("gptq", (64, 64), {"qweight": torch.zeros(10, 64, dtype=torch.int32)}, {"bits": 5})
     with pytest.raises(Unsupported) as err:
+        interpreted("gfx942").upload(Store({"layer.weight": gptq5}))
+    assert err.value.reason is Reason.QUANTIZATION and "layer.weight" in err.value.name
+    awq = PackedWeight("awq", (64, 64), {"qweight": torch.zeros(64, 8, dtype=torch.int32)}, {"bits": 4})
+    with pytest.raises(Unsupported) as err:  # 64 inputs cannot hold one AWQ group of 128
         interpreted("gfx942").upload(Store({"layer.weight": awq}))
-    assert err.value.reason is Reason.QUANTIZATION and "the rocm backend" in str(err.value)
+    assert err.value.reason is Reason.SHAPE
     ex = interpreted("gfx90a")
     ex.memory = lambda: {"total": 1 << 20, "free": 1 << 20}
     with pytest.raises(Unsupported) as err:
