@@ -314,8 +314,10 @@ def poot_run(hf: dict[str, Any], name: str, prompt: int, new: int, prefill: int,
 
 # --- planes GEMV sweep (not part of the headline: it finds the tiles tuning.py ships) ---------------------
 
-SWEEP_TILES = [(256, 1), (512, 2), (1024, 4), (128, 1), (512, 4)]  # (block_n, warps)
-SWEEP_SPLITS = [1, 2, 4, 8, 16, 32]
+# (block_n, warps, stages): 4 columns a thread (512/4, 128/1) won the 2026-12-01 sweep at the deepest split then
+# tried (32); 8 columns a thread (256/1, 512/2) for gate/up of some layouts; pipelined loads not yet measured
+SWEEP_TILES = [(512, 4, 1), (128, 1, 1), (256, 1, 1), (512, 2, 1), (512, 4, 2), (128, 1, 2)]
+SWEEP_SPLITS = [8, 16, 32, 48, 64]
 
 
 def sweep_one(kind: str, label: str, n: int, k: int, gen: torch.Generator, bandwidth: float) -> dict[str, Any]:
@@ -337,22 +339,22 @@ def sweep_one(kind: str, label: str, n: int, k: int, gen: torch.Generator, bandw
     ref = ktr.linear(x.expand(8, k).contiguous(), ws[0])[0:1].float()  # the GEMM route
     default_us = graph_us(step)
     rows = []
-    for bn, warps in SWEEP_TILES:
+    for bn, warps, stages in SWEEP_TILES:
         for split in SWEEP_SPLITS:
-            matmul.GEMV_OVERRIDE["planes"] = Tile(block_n=bn, block_k=128, num_warps=warps, num_stages=1,
+            matmul.GEMV_OVERRIDE["planes"] = Tile(block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
                                                   split_k=split)  # fmt: skip
             try:
                 err = float((ktr.linear(x, ws[0]).float() - ref).norm() / ref.norm())
-                rows.append((graph_us(step), bn, warps, split, err))
+                rows.append((graph_us(step), bn, warps, split, err, stages))
             except Exception as exc:  # a tile that fails to compile is skipped, reported
-                log(f"  {kind} {label} {bn}/{warps}/{split} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                log(f"  {kind} {label} {bn}/{warps}/{split}/s{stages} failed: {type(exc).__name__}: {str(exc)[:200]}")
     matmul.GEMV_OVERRIDE.pop("planes", None)
     best = min(rows, key=lambda r: r[0])
     log(f"  sweep {kind:12s} {label:8s} default {default_us:6.1f} us ({nbytes / default_us / 1e3:5.0f} GB/s), "
-        f"best {best[1]}/{best[2]}w split {best[3]} {best[0]:6.1f} us ({nbytes / best[0] / 1e3:5.0f} GB/s, "
+        f"best {best[1]}/{best[2]}w/s{best[5]} split {best[3]} {best[0]:6.1f} us ({nbytes / best[0] / 1e3:5.0f} GB/s, "
         f"{100 * nbytes / best[0] / 1e3 / bandwidth:.0f}% of copy) err {best[4]:.1e}")
     return {"n": n, "k": k, "bytes": nbytes, "default_us": default_us, "default_GBps": nbytes / default_us / 1e3,
-            "best": {"us": best[0], "block_n": best[1], "warps": best[2], "split": best[3],
+            "best": {"us": best[0], "block_n": best[1], "warps": best[2], "split": best[3], "stages": best[5],
                      "GBps": nbytes / best[0] / 1e3, "err": best[4]}, "all": rows}  # fmt: skip
 
 

@@ -65,21 +65,24 @@ KINDS = ["gguf.Q4_0", "gguf.Q5_1", "gguf.Q2_K", "gguf.Q3_K", "gguf.Q4_K", "gguf.
 
 
 def reference(kind: str, w: PackedWeight) -> torch.Tensor:
-    """float64 [n, k] from poot_core's dequantizer (3-bit GPTQ: from the codes' bit stream, unpacked here)."""
+    """float64 [n, k] on the GPU, from poot_core's dequantizer run on a CPU copy (3-bit GPTQ, which it does not
+    decode: from the codes' bit stream, unpacked here)."""
+    parts = {name: t.cpu() for name, t in w.parts.items()}
     if kind == "gptq.3":
-        p, (n, k) = w.parts, w.shape
-        q = stream_values(p["qweight"].cpu().numpy(), 3, k)
-        z = stream_values(p["qzeros"].cpu().numpy().T, 3, n).T + 1
-        g = p["g_idx"].cpu().numpy()
-        ref = (q - z[g]) * p["scales"].cpu().numpy()[g].astype(np.float64)
-        return torch.from_numpy(ref.T.copy()).cuda()
-    return dequantize(w).double()
+        n, k = w.shape
+        q = stream_values(parts["qweight"].numpy(), 3, k)
+        z = stream_values(np.ascontiguousarray(parts["qzeros"].numpy().T), 3, n).T + 1
+        g = parts["g_idx"].numpy()
+        ref = torch.from_numpy(((q - z[g]) * parts["scales"].numpy()[g].astype(np.float64)).T.copy())
+    else:
+        ref = dequantize(PackedWeight(w.layout, w.shape, parts, w.meta)).double()
+    return ref.cuda()
 
 
 def stream_values(words: np.ndarray, bits: int, count: int) -> np.ndarray:
     """int32 [r, c]: each column one little-endian bit stream along the rows -> [count, c] values of `bits`."""
-    stream = np.unpackbits(words.astype("<u4").view(np.uint8).reshape(words.shape[0], words.shape[1], 4)
-                           .transpose(1, 0, 2).reshape(words.shape[1], -1), axis=1, bitorder="little")  # fmt: skip
+    raw = np.ascontiguousarray(words.astype("<u4")).view(np.uint8).reshape(words.shape[0], words.shape[1], 4)
+    stream = np.unpackbits(raw.transpose(1, 0, 2).reshape(words.shape[1], -1), axis=1, bitorder="little")
     fields = stream[:, : count * bits].reshape(words.shape[1], count, bits).astype(np.int64)
     return (fields << np.arange(bits)).sum(-1).T
 

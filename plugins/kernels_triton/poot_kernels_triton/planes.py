@@ -68,6 +68,20 @@ def _field(w, h, E: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, FP8: tl.co
     return bits.to(tl.float32, bitcast=True)
 
 
+# IQ4's code book (relayout.IQ4_VALUES) as bytes in two int64s, for a lookup without a table: the eight
+# negative entries plus 128, the eight positive ones as they are (every byte below 128)
+_IQ4_LO = tl.constexpr(sum((v + 128) << (8 * i) for i, v in enumerate(IQ4_VALUES[:8])))
+_IQ4_HI = tl.constexpr(sum(v << (8 * i) for i, v in enumerate(IQ4_VALUES[8:])))
+
+
+@triton.jit
+def iq4_value(nib):
+    """IQ4_NL/IQ4_XS code book entry of 4-bit codes, float32."""
+    table = tl.where(nib < 8, _IQ4_LO, _IQ4_HI)
+    byte = (table >> ((nib % 8) * 8).to(tl.int64)) & 0xFF
+    return (byte - tl.where(nib < 8, 128, 0)).to(tl.float32)
+
+
 def _iq4_word(i: int) -> int:
     """Bytes 4i..4i+3 of IQ4's code book plus 128 as one int32 (for prmt)."""
     v = sum((IQ4_VALUES[4 * i + j] + 128) << (8 * j) for j in range(4))
@@ -313,7 +327,7 @@ def _planes_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr, k
         q = q | (((hw[:, None, :] >> pos[:, :, None]) & ((1 << HB) - 1)) << LB)
     q = tl.reshape(q, [BLOCK_K, BLOCK_N])
     if TABLE:
-        v = tl.load(tab_ptr + q)
+        v = iq4_value(q)  # shifts of two constants: a gather per element would go through the cache
     elif FP8:
         bits = ((q & 0x7F) << 20) | ((q & 0x80) << 24)
         v = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120

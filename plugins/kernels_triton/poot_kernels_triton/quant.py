@@ -18,8 +18,8 @@ from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
 from .matmul import GEMV_MAX_ROWS, dense_linear, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
-from .planes import planes_linear, planes_rows
-from .relayout import IQ4_VALUES, from_gptq, is_planes, to_planes
+from .planes import iq4_value, planes_linear, planes_rows
+from .relayout import from_gptq, is_planes, to_planes
 from .splitk import finish_split
 from .tuning import tuning_for_device
 
@@ -38,10 +38,7 @@ GGUF_TYPES: dict[str, tuple[int, int, int]] = {
     "IQ4_NL": (10, 32, 18),
     "IQ4_XS": (11, 256, 136),
 }
-# IQ4's code book (relayout.IQ4_VALUES) as bytes in two int64s, for a lookup without a table: the eight
-# negative entries plus 128, the eight positive ones as they are (every byte below 128)
-_IQ4_LO = tl.constexpr(sum((v + 128) << (8 * i) for i, v in enumerate(IQ4_VALUES[:8])))
-_IQ4_HI = tl.constexpr(sum(v << (8 * i) for i, v in enumerate(IQ4_VALUES[8:])))
+
 
 
 @triton.jit
@@ -54,14 +51,6 @@ def _f16_at(ptr, mask):
 @triton.jit
 def _byte_at(ptr, mask):
     return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _iq4_value(nib):
-    """IQ4_NL/IQ4_XS code book entry of 4-bit codes, float32."""
-    table = tl.where(nib < 8, _IQ4_LO, _IQ4_HI)
-    byte = (table >> ((nib % 8) * 8).to(tl.int64)) & 0xFF
-    return (byte - tl.where(nib < 8, 128, 0)).to(tl.float32)
 
 
 @triton.jit
@@ -156,7 +145,7 @@ def _dequant_gguf(row_ptr, kk, mask, QTYPE: tl.constexpr):
         base = row_ptr + (kk // 32) * 18
         j = kk % 32
         byte = _byte_at(base + 2 + j % 16, mask)
-        w = _f16_at(base, mask) * _iq4_value(tl.where(j < 16, byte & 0xF, byte >> 4))
+        w = _f16_at(base, mask) * iq4_value(tl.where(j < 16, byte & 0xF, byte >> 4))
     elif QTYPE == 11:  # IQ4_XS: f16 d, u16 high scale bits, 4 bytes of low scale nibbles, 128 bytes of codes
         base = row_ptr + (kk // 256) * 136
         j = kk % 256
@@ -166,7 +155,7 @@ def _dequant_gguf(row_ptr, kk, mask, QTYPE: tl.constexpr):
         ls = (low | (high << 4)) - 32
         byte = _byte_at(base + 8 + ib * 16 + j % 16, mask)
         code = tl.where(j % 32 < 16, byte & 0xF, byte >> 4)
-        w = _f16_at(base, mask) * ls.to(tl.float32) * _iq4_value(code)
+        w = _f16_at(base, mask) * ls.to(tl.float32) * iq4_value(code)
     else:  # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs, int8 scales[16], f16 d
         base = row_ptr + (kk // 256) * 210
         j = kk % 256

@@ -18,7 +18,7 @@ from .tuning import Tile, Tuning
 
 # counters per device, all zero between launches (the last program of each tile resets its own)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_SPLIT = 32
+MAX_SPLIT = 64
 
 
 def counters(device: torch.device, size: int) -> torch.Tensor | None:

@@ -62,9 +62,34 @@ class Tuning:
     planes_programs: int = 0
 
 
-# Planes GEMV tiles measured on the H200 by (source layout, shape class) (bench/gpu_decode.py --sweep); a
-# layout or class not listed uses Tuning.planes_gemv. split_k 0: chosen from the shape (splitk.choose_split).
-HOPPER_PLANES: dict[tuple[str, str], Tile] = {}
+
+
+def _planes_tile(block_n: int, warps: int, split: int) -> Tile:
+    return Tile(block_n=block_n, block_k=128, num_warps=warps, num_stages=1, split_k=split)
+
+
+# Planes GEMV tiles measured best on the H200 (2026-12-01, `bench/gpu_decode.py --sweep`, Llama-3-8B shapes:
+# q/k/v joined and o are "square", gate/up joined "wide", down "deep") by (source layout, shape class); the
+# ("*", class) rows are the tiles best across the four layouts swept (within 2-6% of each one's best). Tiles
+# of 4 columns a thread (512 columns in 4 warps, 128 in 1) split 32 ways beat the 8-column ones by 20-40%:
+# more loads in flight.
+HOPPER_PLANES: dict[tuple[str, str], Tile] = {
+    ("gptq.4", "square"): _planes_tile(512, 4, 32),
+    ("gptq.4", "wide"): _planes_tile(512, 4, 32),
+    ("gptq.4", "deep"): _planes_tile(128, 1, 32),
+    ("gguf.Q4_K", "square"): _planes_tile(128, 1, 32),
+    ("gguf.Q4_K", "wide"): _planes_tile(512, 2, 16),
+    ("gguf.Q4_K", "deep"): _planes_tile(128, 1, 32),
+    ("gguf.Q6_K", "square"): _planes_tile(512, 4, 32),
+    ("gguf.Q6_K", "wide"): _planes_tile(256, 1, 8),
+    ("gguf.Q6_K", "deep"): _planes_tile(512, 4, 32),
+    ("gguf.Q8_0", "square"): _planes_tile(512, 4, 32),
+    ("gguf.Q8_0", "wide"): _planes_tile(256, 1, 16),
+    ("gguf.Q8_0", "deep"): _planes_tile(512, 4, 32),
+    ("*", "square"): _planes_tile(512, 4, 32),
+    ("*", "wide"): _planes_tile(512, 4, 32),
+    ("*", "deep"): _planes_tile(512, 4, 32),
+}
 
 _HOPPER = Tuning(
     name="cuda.sm90",
@@ -82,9 +107,8 @@ _HOPPER = Tuning(
     decode_programs=264,  # two waves over the H100/H200's 132 SMs
     q4k_gemv=Tile(block_n=16, block_k=512, num_warps=4, num_stages=2),
     gemv_programs=2112,  # 16 per SM: a 4096-wide GEMV in 8-row tiles is split 4 ways along k
-    # 2 warps of 32 lanes, 4 columns a load: 256 columns, each thread holding two groups of 4 (x read once
-    # serves 8 columns); see planes.py
-    planes_gemv=Tile(block_n=512, block_k=128, num_warps=2, num_stages=1),
+    # 4 warps of 32 lanes, 4 columns a load: 512 columns (see HOPPER_PLANES)
+    planes_gemv=Tile(block_n=512, block_k=128, num_warps=4, num_stages=1),
     planes_gemm=Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     planes_table=dict(HOPPER_PLANES),
     planes_programs=528,  # 4 per SM
