@@ -374,5 +374,5 @@ def test_architecture_table_matches_the_kernels_tuning_lookup():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
     print(json.dumps(compile_rocm(sys.argv[1], json.loads(sys.argv[2]))))
