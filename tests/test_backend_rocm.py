@@ -183,6 +183,7 @@ def aot_checkpoints(tiny_checkpoint) -> list[str]:
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_checkpoints):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the child imports tests/helpers as we do
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), arch, json.dumps(aot_checkpoints)],
         capture_output=True,
@@ -374,5 +375,4 @@ def test_architecture_table_matches_the_kernels_tuning_lookup():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
     print(json.dumps(compile_rocm(sys.argv[1], json.loads(sys.argv[2]))))
