@@ -46,7 +46,7 @@ test: test-setup lint
 # repository over the machine's packages and run the GPU tests.
 test-gpu:
 	python3 -m pip install -q --no-deps --no-build-isolation -e . $(foreach p,$(PLUGINS),-e $(p))
-	python3 -m pytest -q tests/test_backend_cuda.py tests/test_executor_conformance.py
+	python3 -m pytest -q tests/triton tests/conformance
 
 bench: setup
 	$(BIN)/python bench/cpu_decode.py

@@ -1,7 +1,7 @@
 """Run llama.cpp's own convert_hf_to_gguf.py (fetched by scripts/fetch_test_data.py) on several checkpoints in
 one process, with its own gguf-py first on the path.
 
-    python tests/llama_cpp_convert.py CONVERTER_DIR JOBS_JSON     (JOBS_JSON: [{"src", "outtype", "out"}, ...])
+    python tests/helpers/llama_cpp_convert.py CONVERTER_DIR JOBS_JSON     (JOBS_JSON: [{"src", "outtype", "out"}, ...])
 
 One change to the converter, and only one: the tiny test checkpoints' tokenizer is trained on the spot, so
 its hash is in none of the converter's tables of known pre-tokenizers (it refuses unknown ones). That

@@ -18,7 +18,7 @@ from poot_core import (
 )
 from poot_core.graph import OPS, Dispatch, handled_ops, passes
 
-LAYERS = 3  # tests/tiny.py's llama
+LAYERS = 3  # tests/helpers/tiny.py's llama
 
 
 @pytest.fixture(scope="module")
