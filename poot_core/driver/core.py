@@ -5,6 +5,11 @@ Each step shape is traced once by the family and prepared once by the executor; 
 a bounded cache. The KV state of row 0 remembers which tokens it holds, so a follow-up request that starts
 with the same tokens (the next turn of a conversation) prefills only what is new.
 
+Hybrid families also carry fixed-size recurrent state (convolution windows, SSM states: graph.RECURRENT_KINDS)
+beside KV. It summarizes every token the sequence holds and cannot be cut back, so a new sequence (a step at
+position 0) gets a fresh state, a follow-up request reuses it only when it extends every cached token, and
+speculation (which rolls back rejected tokens) and the paged layout are refused for such models.
+
 With a draft policy (DriverOptions.draft) decode proposes several tokens and verifies them in one step of
 the target (see speculation.py); the tokens then go through the same stop, limit and callback path one by
 one, and the cache bookkeeping drops what was rejected (the next step writes over those positions).
@@ -135,6 +140,8 @@ class Driver:
         self._shapes = handle.store().shapes()
         self._programs: OrderedDict[StepShape, Program] = OrderedDict()
         self._state: dict[int, State] = {}  # rows -> executor state
+        self._state_graph: dict[int, Graph] = {}  # rows -> the graph its state was allocated for
+        self._recurrent: bool | None = None  # whether the model carries recurrent state (see `recurrent`)
         self._cached: list[int] = []  # tokens whose K/V row 0 holds, in order
         self._encode_prepared: dict[StepShape, tuple[Program, Graph, State]] = {}  # own states: see prepare_encode
         self.layout: Layout | None = None
@@ -164,7 +171,16 @@ class Driver:
             self._programs.popitem(last=False)
         if shape.rows not in self._state:
             self._state[shape.rows] = self.executor.allocate_state(graph)
+            self._state_graph[shape.rows] = graph
         return prog
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model's steps carry fixed-size recurrent state beside (or instead of) KV."""
+        if self._recurrent is None:
+            graph = self._state_graph.get(1) or self._trace(StepShape(1, 1, self.options.capacity))
+            self._recurrent = graph.recurrent()
+        return self._recurrent
 
     def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver | ServingDriver:
         """CONTIGUOUS: this driver, one sequence at a time. PAGED: the serving driver (engine.py), many
@@ -176,8 +192,15 @@ class Driver:
                 raise Unsupported(Reason.SHAPE, "speculative decoding in the paged layout",
                                   "only the contiguous layout speculates so far; serve(Layout.CONTIGUOUS) or "
                                   "DraftPolicy.OFF")
+            if self.recurrent:
+                raise Unsupported(Reason.SHAPE, f"the paged layout for {self.family.name}",
+                                  "its recurrent state (convolution windows, SSM states) has no paged form yet; "
+                                  "serve(Layout.CONTIGUOUS) runs it")
 
             return ServingDriver(self)
+        if self._speculation is not None and self.recurrent:
+            raise Unsupported(Reason.SHAPE, f"speculative decoding of {self.family.name}",
+                              "its recurrent state cannot roll back rejected tokens; use DraftPolicy.OFF")
         self.layout = Layout.CONTIGUOUS
         # Prepare the decode step now, so an op the executor cannot run is refused before any work.
         self.program(StepShape(1, 1, self.options.capacity))
@@ -186,6 +209,8 @@ class Driver:
     def _run(self, tokens: list[int], start: int, all_logits: bool) -> Output:
         shape = StepShape(1, len(tokens), self.options.capacity, all_logits=all_logits)
         prog = self.program(shape)
+        if start == 0 and self._state_graph[1].recurrent():  # a new sequence: its recurrent state starts at zeros
+            self._state[1] = self.executor.allocate_state(self._state_graph[1])
         inputs = {"tokens": np.asarray([tokens], dtype=np.int64),
                   "positions": np.arange(start, start + len(tokens), dtype=np.int64)[None, :]}
         return prog.run(self._state[1], inputs)[0]
@@ -311,11 +336,20 @@ class Driver:
     def _extend(self, tokens: list[int]) -> tuple[Output, int]:
         """Make the cache hold `tokens`, running only what it does not hold yet (always at least the last
         token, for its logits). Returns the last position's output and how many tokens were reused."""
-        reuse = min(_common_prefix(self._cached, tokens), len(tokens) - 1)
+        reuse = self._reusable(tokens)
         self._cached = self._cached[:reuse]
         last = self._prefill(tokens[reuse:], reuse)[-1]
         self._cached = list(tokens)
         return last, reuse
+
+    def _reusable(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the cached state serves (at least the last is always run).
+        Recurrent state holds all of the cached tokens at once: all of them, when `tokens` extends them, or
+        none."""
+        common = _common_prefix(self._cached, tokens)
+        if self._cached and self.recurrent:
+            return len(self._cached) if common == len(self._cached) < len(tokens) else 0
+        return min(common, len(tokens) - 1)
 
     def prefill_cache(self, tokens: list[int]) -> Output:
         """The output after `tokens`, reusing the cached prefix they share (a draft model catching up)."""
