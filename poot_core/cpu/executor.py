@@ -340,6 +340,25 @@ class _Binder:
 
         return mla.bind(node, self.args(node), self.get)
 
+    def op_slice(self, node: Node) -> StepFn:
+        x, start, stop = self.arg(node.inputs[0]), node.attrs["start"], node.attrs["stop"]
+        return lambda e, s: x(e, s)[..., start:stop]
+
+    def op_short_conv(self, node: Node) -> StepFn:
+        from poot_core.cpu import recurrent
+
+        return recurrent.bind_short_conv(node, self.args(node), self.get)
+
+    def op_ssm_scan(self, node: Node) -> StepFn:
+        from poot_core.cpu import recurrent
+
+        return recurrent.bind_ssm_scan(node, self.args(node), self.get)
+
+    def op_gated_rms_norm(self, node: Node) -> StepFn:
+        from poot_core.cpu import recurrent
+
+        return recurrent.bind_gated_rms_norm(node, self.args(node), self.get)
+
 
 CPU_OPS = passes.handled_ops(_Binder)
 

@@ -12,9 +12,22 @@ This package is part of poot_core's public API: backend plugins import the passe
 """
 
 from poot_core.graph import passes
-from poot_core.graph.ir import Graph, Node, Paging, Ref, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
+from poot_core.graph.ir import (
+    RECURRENT_KINDS,
+    Graph,
+    Node,
+    Paging,
+    Ref,
+    StateRef,
+    StateSpec,
+    StepShape,
+    Value,
+    ValueRef,
+    WeightRef,
+)
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
 from poot_core.graph.tracer import Tracer
 
-__all__ = ["OPS", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec", "StepShape",
+__all__ = ["OPS", "RECURRENT_KINDS", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec",
+           "StepShape",
            "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes"]

@@ -103,14 +103,24 @@ class Node:
         return self.inputs[i] if i < len(self.inputs) else None
 
 
+# State kinds that summarize a sequence's whole past in a fixed size (a convolution's last inputs, an SSM's
+# state), unlike KV, which holds one entry per position: such state cannot be cut back to a shorter prefix.
+RECURRENT_KINDS = frozenset({"conv", "ssm"})
+
+
 @dataclass
 class StateSpec:
     """A per-layer buffer that lives across steps (the KV cache). `shape` is per row set, e.g.
-    [rows, kv_heads, capacity, head_dim]; `kind` names the content ("k", "v", "latent", ...)."""
+    [rows, kv_heads, capacity, head_dim]; `kind` names the content ("k", "v", "latent", ...; the
+    RECURRENT_KINDS "conv" [rows, channels, kernel - 1] and "ssm" [rows, heads, head_dim, state])."""
 
     name: str
     shape: tuple[int, ...]
     kind: str
+
+    @property
+    def recurrent(self) -> bool:
+        return self.kind in RECURRENT_KINDS
 
 
 @dataclass
@@ -124,3 +134,7 @@ class Graph:
 
     def ops(self) -> set[str]:
         return {n.op for n in self.nodes}
+
+    def recurrent(self) -> bool:
+        """Whether the step carries fixed-size recurrent state (see RECURRENT_KINDS) beside or instead of KV."""
+        return any(spec.recurrent for spec in self.state.values())

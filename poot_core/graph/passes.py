@@ -59,6 +59,13 @@ OPS: dict[str, OpSpec] = {
     "mla_attention": OpSpec(("q", "kv", "positions", "kv_norm", "kv_b", "cache", "seq_index?", "block_tables?"),
                             ("layer", "scale", "nope_dim", "rope_dim", "v_dim", "eps", "theta", "style", "scaling"),
                             "[R, T, H, v_dim]; see Tracer.mla_attention"),
+    # recurrent layers (poot-family-hybrid): their state is of a RECURRENT_KINDS kind, fixed size per row
+    "slice": OpSpec(("x",), ("start", "stop"), "x[..., start:stop]"),
+    "short_conv": OpSpec(("x", "w", "b?", "window"), ("layer", "act"),
+                         "x's shape [R, T, C]; causal depthwise convolution, window carried; Tracer.short_conv"),
+    "ssm_scan": OpSpec(("x", "dt", "a_log", "b", "c", "d", "dt_bias", "ssm_state"), ("layer", "chunk", "dt_limit"),
+                       "x's shape [R, T, H, P]; Mamba2's selective scan, see Tracer.ssm_scan"),
+    "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group"), "x's shape: rms_norm per group of x * silu(gate)"),
 }
 
 HANDLER = "op_"  # a backend's handler of op X is its method op_X

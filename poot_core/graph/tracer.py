@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from poot_core.graph.ir import Graph, Node, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
+from poot_core.errors import Reason, Unsupported
+from poot_core.graph.ir import RECURRENT_KINDS, Graph, Node, StateRef, StateSpec, StepShape, Value, ValueRef, WeightRef
 
 
 class Tracer:
@@ -40,6 +41,9 @@ class Tracer:
         return self.weight(name) if self.has_weight(name) else None
 
     def state(self, name: str, shape: tuple[int, ...], kind: str) -> Value:
+        if kind in RECURRENT_KINDS and self.graph.shape.paging is not None:
+            raise Unsupported(Reason.SHAPE, f"{kind} state {name} in a paged step",
+                              "recurrent state has no paged layout yet; serve such a model in the contiguous layout")
         self.graph.state[name] = StateSpec(name, shape, kind)
         return Value(StateRef(name), shape, "state")
 
@@ -188,3 +192,35 @@ class Tracer:
                        (rows, tokens, heads, v_dim),
                        layer=layer, scale=scale, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim, eps=eps,
                        theta=theta, style=style, scaling=dict(scaling or {}))
+
+    # --- recurrent layers (poot-family-hybrid) ------------------------------------------------------------
+    def slice(self, x: Value, start: int, stop: int) -> Value:
+        """x[..., start:stop]: one part of a joined projection."""
+        return self.op("slice", (x,), (*x.shape[:-1], stop - start), start=start, stop=stop)
+
+    def short_conv(self, x: Value, w: Value, b: Value | None, *, layer: int, act: str | None = None) -> Value:
+        """Causal depthwise convolution over time: out[t, c] = act(b[c] + sum_j w[c, j] * x[t - K + 1 + j, c]),
+        x [R, T, C], w [C, K] or [C, 1, K] (Hugging Face's Conv1d). The last K - 1 inputs of the sequence are
+        the layer's state ("conv" [R, C, K - 1], zeros at a sequence's start), read before and written after
+        the step, so prefill chunks and decode steps continue one sequence."""
+        rows, _, channels = x.shape
+        window = self.state(f"conv{layer}", (rows, channels, w.shape[-1] - 1), "conv")
+        return self.op("short_conv", (x, w, b, window), x.shape, layer=layer, act=act)
+
+    def ssm_scan(self, x: Value, dt: Value, a_log: Value, b: Value, c: Value, d: Value, dt_bias: Value, *,
+                 layer: int, chunk: int, dt_limit: tuple[float, float] = (0.0, float("inf"))) -> Value:
+        """Mamba2's selective scan, per head h of H (group g = h // (H / G)) over the new tokens t:
+            dt' = clamp(softplus(dt[t, h] + dt_bias[h]), dt_limit),  a = -exp(a_log[h])
+            S = exp(dt' * a) * S + dt' * x[t, h, :, None] * b[t, g, None, :]      S [P, N]
+            y[t, h] = S @ c[t, g] + d[h] * x[t, h]
+        x [R, T, H, P], dt [R, T, H], b and c [R, T, G, N]; S is the layer's state ("ssm" [R, H, P, N], zeros
+        at a sequence's start). Prefill computes it in chunks of `chunk` tokens (Mamba2's SSD form), decode
+        one step at a time; the two differ in summation order only."""
+        rows, _, heads, head_dim = x.shape
+        state = self.state(f"ssm{layer}", (rows, heads, head_dim, b.shape[-1]), "ssm")
+        return self.op("ssm_scan", (x, dt, a_log, b, c, d, dt_bias, state), x.shape, layer=layer, chunk=chunk,
+                       dt_limit=(float(dt_limit[0]), float(dt_limit[1])))
+
+    def gated_rms_norm(self, x: Value, gate: Value, w: Value, *, eps: float, group: int) -> Value:
+        """w * rms_norm(x * silu(gate)), normalized over groups of `group` features of the last axis."""
+        return self.op("gated_rms_norm", (x, gate, w), x.shape, eps=eps, group=group)
