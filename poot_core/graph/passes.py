@@ -68,6 +68,9 @@ OPS: dict[str, OpSpec] = {
     "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group"), "x's shape: rms_norm per group of x * silu(gate)"),
 }
 
+# The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
+HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_rms_norm"})
+
 HANDLER = "op_"  # a backend's handler of op X is its method op_X
 
 H = TypeVar("H")
@@ -152,5 +155,5 @@ def shared_input_linears(nodes: Sequence[Node]) -> list[list[int]]:
     return [group for group in by_input.values() if len(group) > 1]
 
 
-__all__ = ["HANDLER", "OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after", "handled_ops", "last_use",
-           "linear_weight", "shared_input_linears"]
+__all__ = ["HANDLER", "HYBRID_OPS", "OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after", "handled_ops",
+           "last_use", "linear_weight", "shared_input_linears"]
