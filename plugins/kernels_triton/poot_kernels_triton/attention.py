@@ -15,6 +15,7 @@ import triton.language as tl
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
+from .matmul import dot
 from .tuning import Tile, tuning_for_device
 
 _LOG2E = 1.4426950408889634
@@ -43,7 +44,7 @@ def _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stri
 @triton.jit
 def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """q @ k scaled, soft-capped when asked, in the log2 domain."""
-    s = tl.dot(q, k) * scale
+    s = dot(q, k, tl.zeros([q.shape[0], k.shape[1]], tl.float32)) * scale
     if HAS_SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     return s * 1.4426950408889634
@@ -121,7 +122,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -291,7 +292,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))

@@ -15,6 +15,17 @@ from .tuning import Tile, Tuning, tuning_for_device
 
 
 @triton.jit
+def dot(a, b, acc):
+    """acc + a @ b. Float32 operands multiply in full float32: Triton's default for them on NVIDIA is TF32 (10
+    mantissa bits), which torch's float32 matmul does not do, so a float32 model would drift from transformers."""
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask):
     """One [BLOCK_M, BLOCK_K] tile of the activations, zeros past the edges (shared by the GEMM kernels)."""
     return tl.load(
@@ -117,7 +128,7 @@ def _gemm_kernel(
             b = b.to(tl.float32)
         else:
             b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from poot_core import PackedWeight
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, gemm_store, gemm_x_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, dot, gemm_store, gemm_x_tile, launch_gemv
 from .relayout import IQ4_VALUES
 from .splitk import MAX_SPLIT, finish_split
 from .tuning import Tile, Tuning, planes_tile, tuning_for_device
@@ -118,8 +118,11 @@ def _iq4_bytes(w, E: tl.constexpr):
     llama.cpp looks up 16-entry tables: the low and high halves, then per byte the half its code's top bit
     names)."""
     sel = w >> (4 * E)
-    lo = _prmt(tl.full(w.shape, _IQ4_T0, tl.int32), tl.full(w.shape, _IQ4_T1, tl.int32), sel)
-    hi = _prmt(tl.full(w.shape, _IQ4_T2, tl.int32), tl.full(w.shape, _IQ4_T3, tl.int32), sel)
+    # prmt reads a selector nibble's top bit as "replicate the byte's sign": the table lookups take the low
+    # three bits only (a code's top bit then picks the half in the last prmt)
+    idx = sel & 0x7777
+    lo = _prmt(tl.full(w.shape, _IQ4_T0, tl.int32), tl.full(w.shape, _IQ4_T1, tl.int32), idx)
+    hi = _prmt(tl.full(w.shape, _IQ4_T2, tl.int32), tl.full(w.shape, _IQ4_T3, tl.int32), idx)
     return _prmt(lo, hi, ((sel & 0x8888) >> 1) | 0x3210)
 
 
@@ -378,7 +381,7 @@ def _planes_gemm_kernel(
             a = a.to(tl.float32)
         else:
             b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 

@@ -17,7 +17,7 @@ from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, dense_linear, dot, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
 from .planes import iq4_value, planes_linear, planes_rows
 from .relayout import from_gptq, is_planes, to_planes
 from .splitk import finish_split
@@ -328,7 +328,7 @@ def _gguf_gemm_kernel(
             a = a.to(tl.float32)
         else:
             b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 
