@@ -65,6 +65,34 @@ def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     return out
 
 
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                 tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int | None,
+                 softcap: float | None) -> torch.Tensor | None:
+    """The paged layout's decode tokens in one call: q [N, Hq, Dk], k, v [N, Hkv, D] of tokens at positions [N]
+    of sequences seqs [N] (rows of the block tables [S, M]); pools [blocks, Hkv, B, D]. Writes the keys and values
+    into their blocks and attends through the tables, query for query the arithmetic of `attend_few`. Returns
+    [N, Hq, Dv], or None where the kernel does not apply, having written nothing."""
+    lib = kernels()
+    f32 = torch.float32
+    if (lib is None or any(t.dtype != f32 for t in (q, k, v, k_pool, v_pool)) or not k_pool.is_contiguous()
+            or not v_pool.is_contiguous() or q.shape[1] % k_pool.shape[1] != 0):
+        return None
+    tokens, heads, dk = q.shape
+    kv_heads, block, dv = k_pool.shape[1], k_pool.shape[2], v_pool.shape[3]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    seqs, tables = seqs.to(torch.int64).contiguous(), tables.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
+    longest = int(pos.max()) + 1 if window is None else min(int(pos.max()) + 1, window)
+    out = torch.empty(tokens, heads, dv)
+    scratch = torch.empty(threads, longest)
+    lib.poot_attend_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), tokens, heads, kv_heads, dk, dv,
+                          k_pool.data_ptr(), v_pool.data_ptr(), block, tables.data_ptr(), tables.shape[1],
+                          seqs.data_ptr(), pos.data_ptr(), scale, window or 0, softcap or 0.0, out.data_ptr(),
+                          scratch.data_ptr(), longest, threads)
+    return out
+
+
 def attend_blocks(q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float, window: int | None, softcap: float | None) -> torch.Tensor | None:
     """q [R, T, Hq, D] float32 (token rows may lie apart) over the caches [R, Hkv, C, D] that already hold this

@@ -53,6 +53,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                          _p, _i32, _p, _p, _i64, _i32, _p], None),
     "poot_attend_blocks": ([_p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _f32, _i64, _f32, _p, _p,
                             _i32], _i32),
+    "poot_attend_paged": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _p, _p, _f32, _i64,
+                           _f32, _p, _p, _i64, _i32], None),
     # small_ops.c
     "poot_add_rms_norm": ([_p, _p, _p, _i64, _i64, _f32, _p, _p, _i32], None),
     "poot_rope": ([_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i32, _p, _i32], None),

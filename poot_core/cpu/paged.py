@@ -1,11 +1,13 @@
 """The CPU executor's paged KV layout: attention of a flat step of tokens from many sequences over pools of
 fixed-size blocks (StepShape.paging).
 
-Each sequence's blocks are gathered into a contiguous cache of its own, the contiguous layout's kernels run
-on it (ops.attention: the C decode kernel for a few queries, flash attention for a chunk; mla.mla_attention),
-and the positions the step wrote are put back into the sequence's blocks. A query's arithmetic is therefore
-the contiguous layout's, over the same keys in the same order: it does not depend on the other sequences of
-the step, and a decode token gives bit for bit the logits-path inputs a contiguous decode step gives.
+Decode tokens (runs of at most c_attention.MAX_QUERIES tokens of a sequence) attend in one C call that reads
+the keys through the block tables (c_attention.attend_paged). For longer runs (prefill chunks), each
+sequence's blocks are gathered into a contiguous cache of its own, the contiguous layout's kernels run on it
+(ops.attention: flash attention for a chunk; mla.mla_attention), and the positions the step wrote are put
+back into the sequence's blocks. A query's arithmetic is therefore the contiguous layout's, over the same keys
+in the same order: it does not depend on the other sequences of the step, and a decode token gives bit for
+bit the logits-path inputs a contiguous decode step gives.
 """
 
 from __future__ import annotations
@@ -56,9 +58,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
               softcap: float | None) -> torch.Tensor:
     """q [1, N, Hq, D]; k, v [1, N, Hkv, D]; positions [1, N]; seq_index [N]; tables [S, M]; pools
     [blocks, Hkv, B, D]. Returns [1, N, Hq, Dv], zeros for padding tokens."""
+    from poot_core.cpu.c_attention import MAX_QUERIES, attend_paged
+
     block_size = k_pool.shape[2]
     out = torch.zeros(*q.shape[:3], v.shape[-1])
-    for slot, t0, t1 in spans(seq_index):
+    runs = list(spans(seq_index))
+    short = [r for r in runs if r[2] - r[1] <= MAX_QUERIES]  # decode tokens: through the tables, one C call
+    if short:
+        at = torch.tensor([t for _, t0, t1 in short for t in range(t0, t1)])
+        few = attend_paged(q[0, at], k[0, at], v[0, at], positions[0, at], seq_index[at], tables, k_pool, v_pool,
+                           scale, window, softcap)
+        if few is not None:
+            out[0, at] = few
+            runs = [r for r in runs if r[2] - r[1] > MAX_QUERIES]
+    for slot, t0, t1 in runs:
         pos = positions[0, t0:t1]
         start, end = int(pos[0]), int(pos[-1]) + 1
         first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read

@@ -224,3 +224,49 @@ def test_kernels_agree_with_float64_on_random_shapes():
         assert (ours.double() - ref).abs().max().item() < bound
 
     check()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dk,dv,block,window,softcap", [
+    (9, 3, 64, 64, 16, None, None),   # SmolLM2's shape in blocks of 16
+    (4, 4, 20, 24, 5, None, None),    # odd block and head sizes, values wider than keys
+    (6, 2, 32, 32, 8, 11, 30.0),      # a sliding window and soft-capping
+])
+def test_paged_decode_gives_the_contiguous_bits(heads, kv_heads, dk, dv, block, window, softcap):
+    """Tokens of several sequences whose keys lie in scattered blocks of a pool: the keys written where the
+    tables say, and each query's output equal, bit for bit, to attend_few over the same keys laid out
+    contiguously (both against float64 too)."""
+    from poot_core.cpu.c_attention import attend_paged
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, block, 3 * block + 2, 2 * block - 1]  # positions already cached per sequence, then 1 or 2 new
+    new = [1, 2, 1, 2]
+    capacity = (max(lengths) + 2 + block - 1) // block * block
+    per_seq = capacity // block
+    n_blocks = per_seq * len(lengths) + 3
+    order = torch.randperm(n_blocks, generator=gen)
+    tables = order[: per_seq * len(lengths)].reshape(len(lengths), per_seq)
+    k_pool = torch.randn(n_blocks, kv_heads, block, dk, generator=gen)
+    v_pool = torch.randn(n_blocks, kv_heads, block, dv, generator=gen)
+    seqs = torch.tensor([s for s, m in enumerate(new) for _ in range(m)])
+    positions = torch.tensor([lengths[s] + j for s, m in enumerate(new) for j in range(m)])
+    count = len(seqs)
+    q = torch.randn(count, heads, dk, generator=gen)
+    k = torch.randn(count, kv_heads, dk, generator=gen)
+    v = torch.randn(count, kv_heads, dv, generator=gen)
+    # the contiguous copy of every sequence's cache before the step
+    k_flat = k_pool[tables].transpose(1, 2).reshape(len(lengths), kv_heads, capacity, dk).contiguous()
+    v_flat = v_pool[tables].transpose(1, 2).reshape(len(lengths), kv_heads, capacity, dv).contiguous()
+    scale = 1 / math.sqrt(dk)
+    out = attend_paged(q, k, v, positions, seqs, tables, k_pool, v_pool, scale, window, softcap)
+    assert out is not None
+    for s, m in enumerate(new):
+        at = (seqs == s).nonzero().flatten()
+        pos = positions[at][None]
+        want = attend_few(q[at][None], k[at][None], v[at][None], pos, k_flat[s : s + 1], v_flat[s : s + 1],
+                          scale, window, softcap)
+        assert torch.equal(out[at], want[0])
+        ref = reference(q[at][None], pos, k_flat[s : s + 1], v_flat[s : s + 1], scale, window, softcap)
+        assert torch.allclose(out[at].double(), ref[0], rtol=1e-4, atol=1e-5)
+        for j, p in zip(at.tolist(), pos[0].tolist(), strict=True):  # the new keys went where the table says
+            b, off = int(tables[s, p // block]), p % block
+            assert torch.equal(k_pool[b, :, off], k[j]) and torch.equal(v_pool[b, :, off], v[j])

@@ -116,6 +116,59 @@ void poot_attend_few(const float *q, const float *k, const float *v, int64_t row
     }
 }
 
+/* The paged layout's decode attention: n tokens, token i of sequence seqs[i] at positions[i], q [n, Hq, Dk],
+   k [n, Hkv, Dk], v [n, Hkv, Dv]; pools [blocks, Hkv, B, Dk|Dv]; tables [S, table_stride] the blocks of each
+   sequence. Writes each token's key and value into its block, then attends each query over its sequence's
+   keys through the table, with the arithmetic of poot_attend_few key for key (the same dot, exp and sum
+   order), so a token gives the bits the contiguous layout gives. scratch: [threads, scratch_len], scratch_len
+   at least the longest span of keys a query sees. */
+void poot_attend_paged(const float *q, const float *k, const float *v, int64_t n, int64_t heads, int64_t kv_heads,
+                       int64_t dk, int64_t dv, float *k_pool, float *v_pool, int64_t block, const int64_t *tables,
+                       int64_t table_stride, const int64_t *seqs, const int64_t *positions, float scale,
+                       int64_t window, float softcap, float *out, float *scratch, int64_t scratch_len, int threads) {
+    const int64_t group = heads / kv_heads;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = positions[i], b = tables[seqs[i] * table_stride + p / block], off = p % block;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            memcpy(k_pool + ((b * kv_heads + g) * block + off) * dk, k + (i * kv_heads + g) * dk,
+                   sizeof(float) * (size_t)dk);
+            memcpy(v_pool + ((b * kv_heads + g) * block + off) * dv, v + (i * kv_heads + g) * dv,
+                   sizeof(float) * (size_t)dv);
+        }
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t u = 0; u < n * heads; u++) {
+        float *s = scratch + (int64_t)omp_get_thread_num() * scratch_len;
+        const int64_t h = u % heads, i = u / heads, g = h / group;
+        const int64_t *table = tables + seqs[i] * table_stride;
+        const int64_t p = positions[i];
+        const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0, count = p - first + 1;
+        const float *qv = q + u * dk;
+        float top = -INFINITY;
+        for (int64_t j = first; j <= p;) {  /* a run of keys inside one block at a time */
+            const int64_t off = j % block, run = (block - off < p + 1 - j) ? block - off : p + 1 - j;
+            const float *kb = k_pool + ((table[j / block] * kv_heads + g) * block + off) * dk;
+            for (int64_t t = 0; t < run; t++) {
+                float score = dot_f32(qv, kb + t * dk, dk) * scale;
+                if (softcap > 0.0f) score = tanhf(score / softcap) * softcap;
+                s[j - first + t] = score;
+                if (score > top) top = score;
+            }
+            j += run;
+        }
+        const float inv = 1.0f / exp_shifted(s, count, top);
+        float *o = out + u * dv;
+        for (int64_t d = 0; d < dv; d++) o[d] = 0.0f;
+        for (int64_t j = first; j <= p;) {
+            const int64_t off = j % block, run = (block - off < p + 1 - j) ? block - off : p + 1 - j;
+            const float *vb = v_pool + ((table[j / block] * kv_heads + g) * block + off) * dv;
+            for (int64_t t = 0; t < run; t++) axpy_f32(o, s[j - first + t], vb + t * dv, dv);
+            j += run;
+        }
+        for (int64_t d = 0; d < dv; d++) o[d] *= inv;
+    }
+}
+
 #ifdef __AVX512F__
 #define QB 4   /* queries per register tile */
 #define KB 64  /* keys per register tile: 4 vectors of 16 */
