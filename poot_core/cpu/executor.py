@@ -359,6 +359,11 @@ class _Binder:
 
         return recurrent.bind_gated_rms_norm(node, self.args(node), self.get)
 
+    def op_splice(self, node: Node) -> StepFn:
+        from poot_core.cpu import splice
+
+        return splice.bind_splice(node, self.args(node))
+
 
 CPU_OPS = passes.handled_ops(_Binder)
 

@@ -65,11 +65,15 @@ OPS: dict[str, OpSpec] = {
                          "x's shape [R, T, C]; causal depthwise convolution, window carried; Tracer.short_conv"),
     "ssm_scan": OpSpec(("x", "dt", "a_log", "b", "c", "d", "dt_bias", "ssm_state"), ("layer", "chunk", "dt_limit"),
                        "x's shape [R, T, H, P]; Mamba2's selective scan, see Tracer.ssm_scan"),
+    # vision-language families: image features [N, D] replace the rows of x [R, T, D] at flat indices index [N]
+    "splice": OpSpec(("x", "features", "index"), (), "x's shape; x.reshape(-1, D)[index] = features"),
     "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group"), "x's shape: rms_norm per group of x * silu(gate)"),
 }
 
 # The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
 HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_rms_norm"})
+# The ops only vision-language families use, computed so far by the CPU executor alone.
+VISION_OPS = frozenset({"splice"})
 
 HANDLER = "op_"  # a backend's handler of op X is its method op_X
 
@@ -155,5 +159,5 @@ def shared_input_linears(nodes: Sequence[Node]) -> list[list[int]]:
     return [group for group in by_input.values() if len(group) > 1]
 
 
-__all__ = ["HANDLER", "HYBRID_OPS", "OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after", "handled_ops",
-           "last_use", "linear_weight", "shared_input_linears"]
+__all__ = ["HANDLER", "HYBRID_OPS", "OPS", "VISION_OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after",
+           "handled_ops", "last_use", "linear_weight", "shared_input_linears"]

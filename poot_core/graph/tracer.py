@@ -148,6 +148,10 @@ class Tracer:
             x = self.last_position(x)
         self.output(self.logits(x, head, softcap))
 
+    def splice(self, x: Value, features: Value, index: Value) -> Value:
+        """x [R, T, D] with its flattened rows index [N] replaced by features [N, D] (image tokens)."""
+        return self.op("splice", (x, features, index), x.shape)
+
     # --- mixture of experts and latent attention (poot-family-moe) ----------------------------------------
     def moe(self, x: Value, router: Value, experts: tuple[Value, Value, Value] | list[tuple[Value, Value, Value]],
             *, top_k: int, scoring: str = "softmax", norm_topk: bool = True, routed_scale: float = 1.0,
