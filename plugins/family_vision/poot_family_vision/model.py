@@ -1,0 +1,117 @@
+"""Idefics3 / SmolVLM over the tracer's ops.
+
+The vision step (SigLIP): patches flattened on the host [N, P, 3*p*p] -> linear (the patch convolution's
+weight seen as a matrix) + position embeddings -> pre-norm encoder blocks (bidirectional attention, gelu MLP)
+-> post layer norm; then the connector: pixel shuffle (a fixed reordering of patch rows, done as a row gather)
+and one projection into the text model's width. Outputs: the tower's hidden state [N, P, Dv] and the image
+features [N, P / s^2, Dt].
+
+The text step is poot-family-llama's dense decoder read under `model.text_model.`; when the step carries
+images, their features replace the embeddings of the image tokens (the splice op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from poot_core import ModelConfig, StepShape, Tracer, Value
+from poot_family_llama.model import trace_decoder
+from poot_family_vision.config import VisionLanguageParams, VisionParams
+
+VISION = "model.vision_model."
+CONNECTOR = "model.connector.modality_projection.proj."
+
+
+class TextTracer:
+    """The family's tracer seen by the llama decoder: `model.X` weights are read as `model.text_model.X`, and
+    with `images` > 0 the token embeddings get the step inputs image_features [images, Dt] spliced in at the
+    flat rows image_index [images]."""
+
+    def __init__(self, t: Tracer, images: int = 0) -> None:
+        self._t, self._images = t, images
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    @staticmethod
+    def _name(name: str) -> str:
+        return "model.text_model." + name[len("model."):] if name.startswith("model.") else name
+
+    def weight(self, name: str) -> Value:
+        return self._t.weight(self._name(name))
+
+    def has_weight(self, name: str) -> bool:
+        return self._t.has_weight(self._name(name))
+
+    def optional_weight(self, name: str) -> Value | None:
+        return self._t.optional_weight(self._name(name))
+
+    def embed(self, table: Value, tokens: Value, scale: float | None = None) -> Value:
+        x = self._t.embed(table, tokens, scale)
+        if not self._images:
+            return x
+        features = self._t.input("image_features", (self._images, x.shape[-1]), "f32")
+        index = self._t.input("image_index", (self._images,))
+        return self._t.splice(x, features, index)
+
+
+def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0) -> None:
+    p: VisionLanguageParams = cfg.params
+    trace_decoder(replace(cfg, params=p.text), TextTracer(t, images))  # type: ignore[arg-type]
+
+
+def vision_shape(p: VisionParams, images: int) -> StepShape:
+    return StepShape(images, p.patches, p.patches, hidden=True)
+
+
+def trace_vision(p: VisionParams, t: Tracer, images: int) -> None:
+    N, P, D = images, p.patches, p.hidden
+    pixels = t.input("patches", (N, P, 3 * p.patch * p.patch), "f32")
+    positions = t.input("patch_positions", (N, P))
+    mask = t.input("mask", (N, P))
+    emb = VISION + "embeddings."
+    conv = t.weight(emb + "patch_embedding.weight")  # [D, 3, p, p]
+    x = t.linear(pixels, t.reshape(conv, (D, conv.shape[1] * p.patch * p.patch)),
+                 t.optional_weight(emb + "patch_embedding.bias"))
+    x = t.add(x, t.embed(t.weight(emb + "position_embedding.weight"), positions))
+    for i in range(p.layers):
+        x = _block(t, p, f"{VISION}encoder.layers.{i}.", x, mask, N, P)
+    x = _norm(t, p, VISION + "post_layernorm", x)
+    t.output(x)
+    # pixel shuffle: a gather of D-wide rows by `shuffle` [N * P], then s^2 rows side by side per token
+    s2 = p.scale_factor**2
+    rows = t.embed(t.reshape(x, (N * P, D)), t.input("shuffle", (N * P,)))
+    joined = t.reshape(rows, (N, P // s2, D * s2))
+    t.output(t.linear(joined, t.weight(CONNECTOR + "weight"), t.optional_weight(CONNECTOR + "bias")))
+
+
+def _norm(t: Tracer, p: VisionParams, stem: str, x: Value) -> Value:
+    return t.layer_norm(x, t.weight(stem + ".weight"), t.optional_weight(stem + ".bias"), p.norm_eps)
+
+
+def _block(t: Tracer, p: VisionParams, pre: str, x: Value, mask: Value, N: int, P: int) -> Value:
+    def dense(name: str, h: Value) -> Value:
+        return t.linear(h, t.weight(pre + name + ".weight"), t.optional_weight(pre + name + ".bias"))
+
+    def heads(h: Value) -> Value:
+        return t.reshape(h, (N, P, p.heads, p.head_dim))
+
+    h = _norm(t, p, pre + "layer_norm1", x)
+    q, k, v = (heads(dense(f"self_attn.{n}_proj", h)) for n in "qkv")
+    o = t.encoder_attention(q, k, v, mask, scale=p.head_dim**-0.5)
+    x = t.add(x, dense("self_attn.out_proj", t.reshape(o, (N, P, p.hidden))))
+    h = _norm(t, p, pre + "layer_norm2", x)
+    return t.add(x, dense("mlp.fc2", t.activation(dense("mlp.fc1", h), p.act)))
+
+
+def shuffle_index(p: VisionParams, images: int) -> np.ndarray:
+    """The source row of each output row of transformers' Idefics3 pixel_shuffle, over N * P flat rows."""
+    side, s = p.image_size // p.patch, p.scale_factor
+    grid = np.arange(p.patches).reshape(1, side, side, 1)
+    # the same views and permutes as Idefics3Connector.pixel_shuffle, on patch numbers instead of features
+    g = grid.reshape(1, side, side // s, s).transpose(0, 2, 1, 3)
+    g = g.reshape(1, side // s, side // s, s * s).transpose(0, 2, 1, 3).reshape(-1)
+    return (np.arange(images)[:, None] * p.patches + g[None, :]).reshape(-1).astype(np.int64)

@@ -1,0 +1,108 @@
+"""Image input as transformers' Idefics3 image processor (the Pillow one) computes it, without splitting:
+decode (Pillow, RGB), resize the longest edge to size.longest_edge (Lanczos, the shorter edge rounded up to
+an even length), resize to the square max_image_size, rescale by 1/255, normalize by mean and std.
+
+Image splitting (tiles plus a global image, SmolVLM's default) is not done yet: a preprocessor config that
+asks for it is refused by name."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from poot_core import Reason, RequestError, Unsupported
+
+MAX_IMAGE_SIZE = 4096  # transformers' bound on the resized longest edge
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    longest_edge: int
+    square: int  # max_image_size.longest_edge: the side of what the tower sees
+    rescale: float = 1 / 255
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, image_size: int) -> ImageSettings:
+        """preprocessor_config.json of a checkpoint directory; absent, the tower's own size."""
+        file = Path(path) / "preprocessor_config.json"
+        raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        if raw.get("do_image_splitting", False):
+            raise Unsupported(Reason.OPERATION, "image splitting (do_image_splitting)",
+                              "poot preprocesses whole images only so far; save the processor with "
+                              "do_image_splitting=False")
+        square = int((raw.get("max_image_size") or {}).get("longest_edge", image_size))
+        if square != image_size:
+            raise Unsupported(Reason.SHAPE, f"max_image_size {square}", f"the vision tower takes {image_size}")
+        longest = int((raw.get("size") or {}).get("longest_edge", square))
+        return cls(longest_edge=longest, square=square, rescale=float(raw.get("rescale_factor", 1 / 255)),
+                   mean=tuple(raw.get("image_mean", (0.5,) * 3)), std=tuple(raw.get("image_std", (0.5,) * 3)))
+
+
+def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:
+    """A Pillow image, a file path, a `data:image/...;base64,` URL, or encoded bytes -> an RGB image.
+    Anything unreadable is a RequestError before any work."""
+    try:
+        if isinstance(source, Image.Image):
+            image = source
+        elif isinstance(source, bytes):
+            image = Image.open(io.BytesIO(source))
+        elif isinstance(source, str) and source.startswith("data:"):
+            head, _, payload = source.partition(",")
+            if not head.endswith(";base64"):
+                raise RequestError("an image data: URL must be base64-encoded")
+            image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        elif isinstance(source, str | Path):
+            if isinstance(source, str) and source.startswith(("http://", "https://")):
+                raise RequestError("image URLs are not fetched; pass a file path or a data: URL")
+            image = Image.open(Path(source))
+        else:
+            raise RequestError(f"an image must be a path, data: URL, bytes or PIL image, got {type(source).__name__}")
+        image.load()
+    except (OSError, UnidentifiedImageError, binascii.Error, ValueError) as exc:
+        raise RequestError(f"unreadable image: {exc}") from exc
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """transformers' _resize_output_size_rescale_to_max_len then _scale_below_upper_bound."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    if max(height, width) > MAX_IMAGE_SIZE:
+        raise RequestError(f"images resize to at most {MAX_IMAGE_SIZE} pixels a side")
+    return height, width
+
+
+def pixel_values(image: Image.Image, settings: ImageSettings) -> np.ndarray:
+    """float32 [3, S, S] as the processor's pixel_values for one image."""
+    h, w = _longest_edge_size(image.height, image.width, settings.longest_edge)
+    image = image.resize((w, h), Image.Resampling.LANCZOS)
+    image = image.resize((settings.square, settings.square), Image.Resampling.LANCZOS)
+    x = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(settings.rescale)
+    mean = np.asarray(settings.mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(settings.std, dtype=np.float32)[:, None, None]
+    return ((x - mean) / std).astype(np.float32)
+
+
+def patches(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """[N, 3, S, S] -> [N, (S/p)^2, 3*p*p], each patch flattened as the convolution's weight is (channel, row,
+    column), patches in row-major order."""
+    n, c, s, _ = pixels.shape
+    g = s // patch
+    x = pixels.reshape(n, c, g, patch, g, patch).transpose(0, 2, 4, 1, 3, 5)
+    return np.ascontiguousarray(x.reshape(n, g * g, c * patch * patch), dtype=np.float32)

@@ -1,0 +1,105 @@
+"""Running a vision-language checkpoint: the vision step once per request's images, then the text model's
+prefill with the features spliced in at the image tokens, then plain decode steps over the same KV state.
+
+This runs on an executor directly (one sequence, contiguous KV); the driver's text-only paths serve the same
+checkpoint without images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, open_executor
+from poot_family_vision.config import VisionLanguageParams
+from poot_family_vision.model import shuffle_index, trace_text, trace_vision, vision_shape
+from poot_family_vision.preprocess import ImageSettings, load_image, patches, pixel_values
+
+
+class VisionLanguageModel:
+    def __init__(self, handle: ModelHandle, executor: Executor | str = "cpu", capacity: int = 512) -> None:
+        self.handle, self.config = handle, handle.config()
+        if not isinstance(self.config.params, VisionLanguageParams):
+            raise RequestError(f"{self.config.architecture} takes no images")
+        self.params: VisionLanguageParams = self.config.params
+        self.executor = open_executor(executor) if isinstance(executor, str) else executor
+        self.capacity = min(capacity, self.config.max_positions)
+        self.weights = self.executor.upload(handle.store())
+        self._shapes = handle.store().shapes()
+        self.images = ImageSettings.from_dir(handle.path, self.params.vision.image_size)
+
+    @classmethod
+    def load(cls, path: str | Path, executor: Executor | str = "cpu", capacity: int = 512) -> VisionLanguageModel:
+        return cls(ModelHandle.load(path), executor, capacity)
+
+    def _program(self, shape: StepShape, trace) -> tuple[object, object]:
+        t = Tracer(shape, self._shapes)
+        trace(t)
+        return self.executor.prepare(t.graph, self.weights), t.graph
+
+    # --- images ---------------------------------------------------------------------------------------
+    def pixel_values(self, images: Sequence[object]) -> np.ndarray:
+        """float32 [N, 3, S, S], as transformers' processor computes them (without image splitting)."""
+        return np.stack([pixel_values(load_image(i), self.images) for i in images])  # type: ignore[arg-type]
+
+    def encode_images(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the tower's last hidden state [N, P, Dv], the image features [N, tokens per image, Dt])."""
+        vp, n = self.params.vision, int(pixels.shape[0])
+        prog, _ = self._program(vision_shape(vp, n), lambda t: trace_vision(vp, t, n))
+        inputs = {"patches": patches(pixels, vp.patch),
+                  "patch_positions": np.broadcast_to(np.arange(vp.patches), (n, vp.patches)).astype(np.int64),
+                  "mask": np.ones((n, vp.patches), dtype=np.int64), "shuffle": shuffle_index(vp, n)}
+        hidden, features = prog.run({}, inputs)
+        return self.executor.to_numpy(hidden), self.executor.to_numpy(features)
+
+    # --- text -----------------------------------------------------------------------------------------
+    def _image_rows(self, tokens: list[int], features: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        at = np.flatnonzero(np.asarray(tokens) == self.params.image_token_id).astype(np.int64)
+        flat = np.zeros((0, self.config.hidden_size), np.float32) if features is None else \
+            features.reshape(-1, features.shape[-1]).astype(np.float32)
+        if len(at) != len(flat):
+            raise RequestError(f"the prompt has {len(at)} image tokens for {len(flat)} image features "
+                               f"({self.params.vision.tokens_per_image} per image)")
+        return at, flat
+
+    def _prefill(self, tokens: list[int], features: np.ndarray | None, all_logits: bool) -> tuple[object, object]:
+        if not tokens or len(tokens) > self.capacity:
+            raise RequestError(f"a prompt of {len(tokens)} tokens does not fit the capacity of {self.capacity}")
+        at, flat = self._image_rows(tokens, features)
+        shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
+        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at)))
+        state = self.executor.allocate_state(graph)
+        inputs = {"tokens": np.asarray([tokens], np.int64), "positions": np.arange(len(tokens))[None, :]}
+        if len(at):
+            inputs |= {"image_features": flat, "image_index": at}
+        return prog.run(state, inputs)[0], state
+
+    def logits(self, tokens: list[int], images: Sequence[object] = (), pixels: np.ndarray | None = None) -> np.ndarray:
+        """float32 [positions, vocab]: the logits after every position of the prompt."""
+        features = self._features(images, pixels)
+        out, _ = self._prefill(tokens, features, all_logits=True)
+        return self.executor.to_numpy(out)[0]
+
+    def _features(self, images: Sequence[object], pixels: np.ndarray | None) -> np.ndarray | None:
+        if pixels is None and images:
+            pixels = self.pixel_values(images)
+        return None if pixels is None else self.encode_images(pixels)[1]
+
+    def generate(self, tokens: list[int], images: Sequence[object] = (), max_new: int = 32,
+                 pixels: np.ndarray | None = None, ignore_eos: bool = False) -> list[int]:
+        """Greedy continuation of the prompt."""
+        out, state = self._prefill(tokens, self._features(images, pixels), all_logits=False)
+        step, _ = self._program(StepShape(1, 1, self.capacity), lambda t: trace_text(self.config, t))
+        new: list[int] = []
+        position = len(tokens)
+        while len(new) < max_new and position < self.capacity:
+            token = int(np.argmax(self.executor.to_numpy(out)[0, -1]))
+            new.append(token)
+            if token in self.config.eos_ids and not ignore_eos:
+                break
+            out = step.run(state, {"tokens": np.asarray([[token]], np.int64),
+                                   "positions": np.asarray([[position]], np.int64)})[0]
+            position += 1
+        return new

@@ -1,0 +1,151 @@
+"""Idefics3 / SmolVLM against transformers on tiny random checkpoints and Pillow-made images: pixel values
+equal the Idefics3 (Pillow) image processor's, the vision tower and the whole prompt's logits match the float32
+forward, greedy tokens equal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from PIL import Image
+from poot_family_vision.preprocess import ImageSettings, load_image, pixel_values
+from poot_family_vision.runtime import VisionLanguageModel
+
+from helpers import tiny
+from poot_core import ModelHandle, RequestError
+
+IMAGE_TOKEN, AROUND, GLOBAL = 250, 251, 252
+IMAGE_SIZE, PATCH = 64, 16
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2 // 4  # pixel shuffle by 2
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    """A smooth gradient with noise and a bright square: resizing it exercises Lanczos everywhere."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([255 * x / width, 255 * y / height, 128 + 60 * np.sin(x / 5.0 + y / 7.0)], axis=-1)
+    rgb = rgb + rng.normal(0, 20, rgb.shape)
+    rgb[height // 4 : height // 2, width // 3 : width // 2] = 250
+    return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+
+
+IMAGES = [_image(97, 53, 1), _image(40, 120, 2)]  # wide and tall, one smaller than the tower's 64
+
+
+def _configs(arch: str) -> tuple[object, type]:
+    text = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if arch == "smolvlm":
+        vision = tf.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
+        cfg = tf.SmolVLMConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+                               image_token_id=IMAGE_TOKEN)
+        return cfg, tf.SmolVLMForConditionalGeneration
+    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
+    cfg = tf.Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+                            image_token_id=IMAGE_TOKEN)
+    return cfg, tf.Idefics3ForConditionalGeneration
+
+
+def _processor() -> tf.Idefics3ImageProcessorPil:
+    return tf.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 2 * IMAGE_SIZE},
+                                        max_image_size={"longest_edge": IMAGE_SIZE})
+
+
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def checkpoint(request, tmp_path_factory):
+    cfg, cls = _configs(request.param)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    tiny._randomize(model, seed=3)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    tiny.save_tokenizer(path)
+    _processor().save_pretrained(path)
+    return path, model
+
+
+def _prompt(images: int) -> list[int]:
+    ids = [0, 17, 33, 48]
+    for _ in range(images):
+        ids += [AROUND, GLOBAL] + [IMAGE_TOKEN] * TOKENS_PER_IMAGE + [AROUND]
+    return ids + [60, 71, 5]
+
+
+def _reference_pixels(images: list[Image.Image]) -> np.ndarray:
+    out = _processor()(images=[[i] for i in images], return_tensors="pt")
+    return out["pixel_values"].reshape(-1, 3, IMAGE_SIZE, IMAGE_SIZE).numpy()
+
+
+def test_pixel_values_equal_the_processor(checkpoint):
+    path, _ = checkpoint
+    settings = ImageSettings.from_dir(path, IMAGE_SIZE)
+    ours = np.stack([pixel_values(load_image(i), settings) for i in IMAGES])
+    ref = _reference_pixels(IMAGES)
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-6
+
+
+def test_vision_tower_matches(checkpoint):
+    path, model = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    pixels = _reference_pixels(IMAGES)
+    hidden, features = vlm.encode_images(pixels)
+    with torch.no_grad():
+        ref_hidden = model.model.vision_model(pixel_values=torch.from_numpy(pixels)).last_hidden_state
+        ref_features = model.model.connector(ref_hidden)
+    assert tiny.rel_error(hidden, ref_hidden) <= 1e-4
+    assert tiny.rel_error(features, ref_features) <= 1e-4
+
+
+def test_prompt_logits_match(checkpoint):
+    path, model = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    tokens = _prompt(len(IMAGES))
+    ours = vlm.logits(tokens, IMAGES)
+    pixels = torch.from_numpy(_reference_pixels(IMAGES))[None]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
+    assert tiny.rel_error(ours, ref) <= 1e-4
+    # the comparison can fail: other images give other logits at and after the image tokens
+    other = vlm.logits(tokens, IMAGES[::-1])
+    assert tiny.rel_error(other, ref) > 1e-2
+
+
+def test_greedy_tokens_match(checkpoint):
+    path, model = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    tokens = _prompt(1)
+    ours = vlm.generate(tokens, IMAGES[:1], max_new=8, ignore_eos=True)
+    pixels = torch.from_numpy(_reference_pixels(IMAGES[:1]))[None]
+    ids = torch.tensor([tokens])  # the attention mask given: generate would mask the bos id 0 as padding
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels, max_new_tokens=8,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=8)
+    assert ours == out[0, len(tokens):].tolist()
+
+
+def test_text_only_prompt_through_the_family(checkpoint):
+    """Without images the checkpoint is its text model: the driver's own path gives transformers' logits."""
+    from poot_core import Driver, DriverOptions, open_executor
+
+    path, model = checkpoint
+    tokens = [0, 17, 33, 48, 60, 71]
+    driver = Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=4))
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens])).logits[0]
+    assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
+
+
+def test_bad_images_are_request_errors(checkpoint, tmp_path):
+    path, _ = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    for bad in (broken, "data:image/png;base64,!!!", "data:image/png;base64,AAAA", b"\x00\x01", 3):
+        with pytest.raises(RequestError):
+            vlm.pixel_values([bad])
+    with pytest.raises(RequestError):  # image tokens without as many features
+        vlm.logits(_prompt(2), IMAGES[:1])
