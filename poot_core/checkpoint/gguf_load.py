@@ -51,6 +51,13 @@ def float_values(w: Weight) -> torch.Tensor:
     return w.float().clone()
 
 
+def _marked(w: Weight, options: LoadOptions) -> Weight:
+    """w, its block weights marked for the CPU executor's q8 decode products where the options ask for them."""
+    if options.cpu_activations != "exact" and isinstance(w, PackedWeight):
+        w.meta["cpu_activations"] = options.cpu_activations
+    return w
+
+
 def load_gguf(path: Path, registry: Registry, options: LoadOptions) -> Parts:
     from poot_core.text.gguf_vocab import vocabulary_from_gguf
     from poot_core.text.services import TextServices
@@ -77,7 +84,7 @@ def load_gguf(path: Path, registry: Registry, options: LoadOptions) -> Parts:
         mapped = family.gguf_tensor_name(config, name)
         if mapped is None:
             continue
-        loaders[mapped] = (lambda n=name: file.tensor(n))
+        loaders[mapped] = (lambda n=name: _marked(file.tensor(n), options))
         shapes[mapped] = tensors.shape(name)
     for mapped, (make, shape) in family.gguf_derived_weights(config, tensors).items():
         loaders[mapped], shapes[mapped] = make, shape

@@ -16,14 +16,27 @@ from poot_core.checkpoint.integrity import Manifest
 from poot_core.checkpoint.layouts import Weight, weight_nbytes
 from poot_core.family import Family, ModelConfig
 
+# The values of LoadOptions.cpu_activations.
+CPU_ACTIVATIONS = ("exact", "q8")
+
 
 @dataclass
 class LoadOptions:
     """integrity: a Manifest (or a path to its JSON) every file the load reads must match.
-    progress: show a progress bar on stderr while verifying large files (None: when stderr is a terminal)."""
+    progress: show a progress bar on stderr while verifying large files (None: when stderr is a terminal).
+    cpu_activations: "exact" (float32 activations times exactly dequantized weights) or "q8": the CPU
+    executor's decode products from GGUF block weights quantize x to 8 bits per 32 values and sum integer
+    products, as llama.cpp does (faster, about 1e-2 relative; every GGUF block type with a C kernel has this
+    route, see poot_core.cpu.packed_linear.Q8_TYPES). Other weights and other backends ignore it."""
 
     integrity: Manifest | str | Path | None = None
     progress: bool | None = None
+    cpu_activations: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"LoadOptions(cpu_activations={self.cpu_activations!r}): expected one of "
+                             f"{', '.join(map(repr, CPU_ACTIVATIONS))}")
 
     def manifest(self) -> Manifest | None:
         if self.integrity is None or isinstance(self.integrity, Manifest):

@@ -46,6 +46,9 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # kquant_low.c: the same for Q2_K, Q3_K and IQ4_XS
     "poot_gemv_kl": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_dequant_kl": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
+    # q8dot.c: decode products with x quantized to 8 bits per 32 values (LoadOptions(cpu_activations="q8"))
+    "poot_gemv_q8": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
+    "poot_quantize_q8": ([_p, _i64, _i64, _p, _p, _p], None),
     # dense16.c: bf16 / f16 weights
     "poot_gemv16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32, _i32], None),
     # attention.c

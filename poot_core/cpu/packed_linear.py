@@ -10,9 +10,12 @@ Routes:
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
+With LoadOptions(cpu_activations="q8") (GGUF only) the decode product of every type of Q8_TYPES (all of
+C_TYPES) quantizes each row of x to 8 bits per 32 values and sums integer products (csrc/q8dot.c): llama.cpp's
+arithmetic, not exact (about 1e-2 relative); prefill stays exact.
 Dense bf16/f16 weights (dense16_gemv, dense16_tiles) follow the same two routes from their exactly widened
 values. Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c,
-dense16.c and gather.c, built by poot_core.cpu.c_kernels.
+dense16.c, gather.c and q8dot.c, built by poot_core.cpu.c_kernels.
 
 `fast=True` is an explicit, less exact option for the 4-bit GGUF types with an affine form (Q4_0, Q4_1, Q4_K):
 their codes are re-laid once, losslessly, into torch's packed int4 CPU format (same 4 bits per weight) and the
@@ -74,6 +77,15 @@ C_TYPES: dict[str, CKernel] = {
 }
 
 
+# Decode products with 8-bit activations (LoadOptions(cpu_activations="q8"), marked on the weight as
+# meta["cpu_activations"] == "q8"): csrc/q8dot.c's poot_gemv_q8 and its type ids. Every type of C_TYPES has one,
+# so none keeps the exact route under q8; prefill (tiles) stays exact for all.
+Q8_TYPES: dict[str, int] = {
+    "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "IQ4_NL": 5,
+    "Q4_K": 6, "Q5_K": 7, "Q6_K": 8, "IQ4_XS": 9, "Q2_K": 10, "Q3_K": 11,
+}
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a C product from one weight needs, worked out once per weight."""
@@ -87,11 +99,12 @@ class _Plan:
     out_features: int
     blocks_per_row: int
     in_features: int
+    gemv_type: int  # the type id gemv takes (type_id for the exact kernels, a Q8_TYPES id for poot_gemv_q8)
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """flat: float32 [m, in] contiguous, m <= FUSED_MAX_ROWS."""
         y = torch.empty(flat.shape[0], self.out_features)
-        self.gemv(self.type_id, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
+        self.gemv(self.gemv_type, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
                   flat.data_ptr(), flat.shape[0], y.data_ptr(), torch.get_num_threads())
         return y
 
@@ -119,9 +132,12 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
         blocks, kind = w.parts["blocks"], C_TYPES[w.meta["type"]]
         elements = gb.BLOCK_SIZES[w.meta["type"]][0]
         dequant = getattr(lib, kind.dequant)
-        plan = _Plan(getattr(lib, kind.gemv), dequant, ctypes.cast(dequant, ctypes.c_void_p).value or 0,
+        q8 = w.meta.get("cpu_activations") == "q8" and w.meta["type"] in Q8_TYPES
+        gemv, gemv_type = (lib.poot_gemv_q8, Q8_TYPES[w.meta["type"]]) if q8 else (getattr(lib, kind.gemv),
+                                                                                     kind.type_id)
+        plan = _Plan(gemv, dequant, ctypes.cast(dequant, ctypes.c_void_p).value or 0,
                      kind.type_id, blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements,
-                     w.shape[1])
+                     w.shape[1], gemv_type)
         _plans[w] = plan
     return plan
 
