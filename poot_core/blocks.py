@@ -23,7 +23,7 @@ def projection(t: Tracer, x: Value, name: str) -> Value:
 @dataclass(frozen=True)
 class AttentionSpec:
     """What grouped-query attention needs to know of a model. rotary_dim: the features of each head that
-    rope turns (None: all of them)."""
+    rope turns (None: all of them; 0: none)."""
 
     heads: int
     kv_heads: int
@@ -34,6 +34,10 @@ class AttentionSpec:
     norm_offset: float = 0.0  # gemma's (1 + w) norms
     rope_style: str = "neox"
     rotary_dim: int | None = None
+    # the checkpoint's names of the q/k norms and the output projection under the attention prefix (LFM2's
+    # differ: q_layernorm, k_layernorm, out_proj)
+    norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    out_name: str = "o_proj"
 
 
 def attention_block(t: Tracer, spec: AttentionSpec, prefix: str, layer: int, h: Value, positions: Value, *,
@@ -48,13 +52,16 @@ def attention_block(t: Tracer, spec: AttentionSpec, prefix: str, layer: int, h: 
 
     q, k, v = heads("q_proj", spec.heads), heads("k_proj", spec.kv_heads), heads("v_proj", spec.kv_heads)
     if spec.qk_norm:
-        q = t.rms_norm(q, t.weight(prefix + "q_norm.weight"), spec.norm_eps, spec.norm_offset)
-        k = t.rms_norm(k, t.weight(prefix + "k_norm.weight"), spec.norm_eps, spec.norm_offset)
-    rope = {"theta": theta, "dim": spec.rotary_dim or spec.head_dim, "style": spec.rope_style, "scaling": scaling}
-    q, k = t.rope(q, positions, **rope), t.rope(k, positions, **rope)
+        q_norm, k_norm = spec.norm_names
+        q = t.rms_norm(q, t.weight(f"{prefix}{q_norm}.weight"), spec.norm_eps, spec.norm_offset)
+        k = t.rms_norm(k, t.weight(f"{prefix}{k_norm}.weight"), spec.norm_eps, spec.norm_offset)
+    if spec.rotary_dim != 0:  # 0: no rope at all (Granite 4.0-H's attention layers)
+        rope = {"theta": theta, "dim": spec.rotary_dim or spec.head_dim, "style": spec.rope_style,
+                "scaling": scaling}
+        q, k = t.rope(q, positions, **rope), t.rope(k, positions, **rope)
     o = t.attention(q, k, v, positions, layer=layer, scale=spec.scale, window=window, softcap=softcap)
     o = t.reshape(o, (rows, tokens, spec.heads * spec.head_dim))
-    return projection(t, o, prefix + "o_proj")
+    return projection(t, o, prefix + spec.out_name)
 
 
 def gated_mlp(t: Tracer, prefix: str, h: Value, act: str = "silu",

@@ -126,7 +126,8 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Te
 
 def bind_ssm_scan(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
     x, dt, _, b, c, _, _, state = args
-    a_log, d, dt_bias = (_small(get(node.inputs[i])) for i in (2, 5, 6))
+    # per-head vectors [H] (GGUF stores A and D as [H, 1])
+    a_log, d, dt_bias = (_small(get(node.inputs[i])).reshape(-1) for i in (2, 5, 6))
     chunk, limit = node.attrs["chunk"], node.attrs["dt_limit"]
     return lambda e, s: ssm_scan(x(e, s), dt(e, s), a_log, b(e, s), c(e, s), d, dt_bias, state(e, s), chunk, limit)
 
@@ -140,7 +141,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
 
 def bind_gated_rms_norm(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
     x, gate, _ = args
-    w = _small(get(node.inputs[2]))
+    w = _small(get(node.inputs[2])).reshape(-1)  # GGUF stores it [groups, group]
     eps, group = node.attrs["eps"], node.attrs["group"]
     return lambda e, s: gated_rms_norm(x(e, s), gate(e, s), w, eps, group)
 

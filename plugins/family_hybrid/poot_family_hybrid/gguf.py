@@ -1,0 +1,98 @@
+"""The hybrid families from GGUF files written by llama.cpp's converter: metadata read as llama.cpp reads it,
+llama.cpp's tensor names mapped to the Hugging Face names the traces use."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from poot_core import (
+    DerivedWeight,
+    GGUFKeys,
+    GGUFNames,
+    GGUFTensors,
+    ModelConfig,
+    Reason,
+    Unsupported,
+    rope_from_gguf,
+    unknown_tensor,
+)
+from poot_family_hybrid.config import Lfm2Params, Mamba2Params
+
+# LFM2: operator_norm is llama.cpp's attn_norm, the final norm its token_embd_norm, the convolution
+# `shortconv.*` (the converter squeezes the kernel to [C, K]).
+LFM2_NAMES = GGUFNames().extended(
+    block={"attn_norm": "operator_norm", "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
+           "attn_k_norm": "self_attn.k_layernorm", "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1",
+           "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2", "shortconv.conv": "conv.conv",
+           "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"},
+    top={"token_embd_norm": "model.embedding_norm"})
+
+
+def lfm2_params_from_gguf(keys: GGUFKeys, tensors: GGUFTensors) -> Lfm2Params:
+    """The converter writes one kv head count per layer, 0 for the convolution layers: that is the layout."""
+    layers = int(keys("block_count"))
+    hidden, heads = int(keys("embedding_length")), int(keys("attention.head_count"))
+    kv = keys.raw("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    kinds = ["conv" if int(n) == 0 else "full_attention" for n in kv]
+    kv_heads = {int(n) for n in kv if int(n)}
+    if len(kv_heads) > 1:
+        raise Unsupported(Reason.SHAPE, f"per-layer {keys.key('attention.head_count_kv')} = {kv}",
+                          "the lfm2 family has one kv head count for its attention layers")
+    keys("shortconv.l_cache")  # the kernel size, also the convolution tensors' last dimension
+    keys.understood("feed_forward_length")  # the MLP's weights say it
+    theta, scaling = rope_from_gguf(keys, tensors)
+    return Lfm2Params(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads.pop() if kv_heads else heads,
+                      head_dim=int(keys("attention.key_length", hidden // heads)),
+                      norm_eps=float(keys("attention.layer_norm_rms_epsilon", 1e-5)), layer_types=kinds,
+                      theta=theta, scaling=scaling)
+
+
+def vocab_and_positions(metadata: dict[str, Any], keys: GGUFKeys) -> tuple[int, int]:
+    """The vocabulary size (from the tokenizer when the key is absent) and the positions of a file."""
+    vocab = int(keys("vocab_size", 0) or len(metadata.get("tokenizer.ggml.tokens", [])))
+    return vocab, int(keys("context_length", 1 << 20))
+
+
+# Mamba2: the mixer's vectors have no ".weight" in either naming; dt_bias is llama.cpp's ssm_dt.bias; ssm_a
+# holds A = -exp(A_log) itself, from which A_log is derived (mamba2_derived_weights).
+MAMBA2_BLOCK = {"attn_norm.weight": "norm.weight", "ssm_in.weight": "mixer.in_proj.weight",
+                "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
+                "ssm_dt.bias": "mixer.dt_bias", "ssm_d": "mixer.D", "ssm_norm.weight": "mixer.norm.weight",
+                "ssm_out.weight": "mixer.out_proj.weight", "ssm_a": None}
+MAMBA2_TOP = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
+              "output.weight": "lm_head.weight"}
+_MAMBA2_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)$")
+
+
+def mamba2_tensor_name(name: str) -> str | None:
+    match = _MAMBA2_BLOCK_NAME.match(name)
+    table, part = (MAMBA2_BLOCK, match.group(2)) if match else (MAMBA2_TOP, name)
+    if part not in table:
+        raise unknown_tensor(name, "mamba2")
+    mapped = table[part]
+    return None if mapped is None else (f"backbone.layers.{match.group(1)}.{mapped}" if match else mapped)
+
+
+def mamba2_derived_weights(config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
+    p: Mamba2Params = config.params
+
+    def a_log(layer: int) -> torch.Tensor:
+        return torch.log(-tensors.read(f"blk.{layer}.ssm_a").reshape(-1))
+
+    return {f"backbone.layers.{i}.mixer.A_log": ((lambda i=i: a_log(i)), (p.heads,)) for i in range(p.layers)}
+
+
+def mamba2_params_from_gguf(keys: GGUFKeys, tensors: GGUFTensors) -> Mamba2Params:
+    """llama.cpp's keys: ssm.inner_size, ssm.state_size, ssm.group_count, ssm.conv_kernel and ssm.time_step_rank
+    (the head count). The scan chunk is not stored (it changes the summation order only)."""
+    inner, heads = int(keys("ssm.inner_size")), int(keys("ssm.time_step_rank"))
+    keys.understood("feed_forward_length", "attention.head_count")  # written as 0, unused
+    return Mamba2Params(layers=int(keys("block_count")), hidden=int(keys("embedding_length")), heads=heads,
+                        head_dim=inner // heads, state=int(keys("ssm.state_size")),
+                        groups=int(keys("ssm.group_count", 1)), inner=inner, conv_kernel=int(keys("ssm.conv_kernel")),
+                        chunk=256, norm_eps=float(keys("attention.layer_norm_rms_epsilon", 1e-5)),
+                        dt_limit=(0.0, float("inf")))

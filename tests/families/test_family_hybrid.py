@@ -1,0 +1,257 @@
+"""The hybrid families (LFM2, Mamba2, Granite 4.0-H, Bamba) against transformers' float32 forward on tiny
+random checkpoints, and the Driver's handling of their recurrent state (convolution windows, SSM states)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from helpers import tiny
+from helpers.paths import TESTDATA
+from poot_core import (
+    DraftPolicy,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Layout,
+    ModelHandle,
+    Reason,
+    StepShape,
+    Unsupported,
+    open_executor,
+)
+from poot_core.graph import passes
+
+ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "bamba"]
+# Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
+CONVERTER = TESTDATA / "llama.cpp" / "convert"
+GGUF_ARCHS = ["lfm2"]
+
+
+def hybrid_config(arch: str) -> Any:
+    common: dict[str, Any] = dict(vocab_size=256, hidden_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if arch == "lfm2":
+        return tf.Lfm2Config(**common, intermediate_size=128, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                             tie_word_embeddings=True)
+    if arch == "mamba2":  # 8 heads in 2 groups; a bias on the convolution (LFM2's has none)
+        return tf.Mamba2Config(**common, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16,
+                               n_groups=2, conv_kernel=4, chunk_size=8, use_conv_bias=True,
+                               tie_word_embeddings=False)
+    mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                 mamba_chunk_size=8, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, tie_word_embeddings=False)
+    if arch == "granitemoehybrid":  # the dense Granite 4.0-H: multipliers, no rope, gate and up joined
+        return tf.GraniteMoeHybridConfig(**common, **mamba, intermediate_size=64, shared_intermediate_size=96,
+                                         num_local_experts=0, mamba_n_groups=1, position_embedding_type=None,
+                                         layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"],
+                                         embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.2, logits_scaling=8.0)
+    if arch == "bamba":  # rope on half of each head
+        return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
+    raise ValueError(arch)
+
+
+_BUILT: dict[tuple[str, str], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
+        key = (arch, str(dtype))
+        if key not in _BUILT:
+            path = tmp_path_factory.mktemp(f"{arch}-{str(dtype).removeprefix('torch.')}")
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
+            tiny._randomize(model, 0)
+            model.to(dtype).save_pretrained(path)
+            tiny.save_tokenizer(path)
+            _BUILT[key] = path
+        return _BUILT[key]
+
+    return make
+
+
+def driver(path: Path, chunk: int = 16) -> Driver:
+    return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=chunk))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(checkpoint, arch, dtype, bound):
+    path = checkpoint(arch, dtype)
+    ours = driver(path).logits(PROMPT)
+    ref = tiny.reference_logits(path, PROMPT)
+    assert ours.shape == tuple(ref.shape)
+    assert tiny.rel_error(ours, ref) <= bound
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(checkpoint, arch):
+    path = checkpoint(arch)
+    result = driver(path).serve().generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True))
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, min_new_tokens=12)
+    assert result.tokens == out[0, 20:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_after_chunked_prefill_equals_one_long_prefill(checkpoint, arch):
+    """Prefill in chunks of 16 then decode step by step: every step's logits are those of one prefill of the
+    whole sequence (the state carried across chunks and steps is the state of the sequence)."""
+    path = checkpoint(arch)
+    d = driver(path, chunk=16)
+    last = d.prefill_cache(PROMPT)
+    tokens, steps = [], []
+    for _ in range(8):
+        logits = d.executor.to_numpy(last)[0, -1]
+        steps.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        last = d.step(tokens[-1], len(PROMPT) + len(tokens) - 1)
+    whole = driver(path, chunk=128).logits(PROMPT + tokens)  # one prefill step
+    expected = whole[len(PROMPT) - 1 : len(PROMPT) + 7]
+    assert np.abs(np.stack(steps) - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversation_continues_from_the_state_and_restarts_otherwise(checkpoint, arch):
+    """A request that extends every cached token continues from the stored state; one that does not starts a
+    new sequence from zeroed state. Both give the tokens of a fresh driver."""
+    path = checkpoint(arch)
+    d = driver(path).serve()
+    first = d.generate(GenerateRequest(PROMPT[:20], max_new=6, ignore_eos=True))
+    follow = PROMPT[:20] + first.tokens[:-1] + PROMPT[20:30]  # the last token was never run
+    second = d.generate(GenerateRequest(follow, max_new=6, ignore_eos=True))
+    assert second.timings.reused_tokens == 20 + 5
+    other = PROMPT[:10] + PROMPT[30:40]  # shares 10 tokens, but the state cannot be cut back to them
+    third = d.generate(GenerateRequest(other, max_new=6, ignore_eos=True))
+    assert third.timings.reused_tokens == 0
+    for request, got in ((follow, second), (other, third)):
+        fresh = driver(path).serve().generate(GenerateRequest(request, max_new=6, ignore_eos=True))
+        assert got.tokens == fresh.tokens
+
+
+def test_state_kinds_of_each_layer(checkpoint):
+    lfm2 = driver(checkpoint("lfm2")).program(StepShape(1, 1, 128)).graph
+    kinds = {name: (spec.kind, spec.shape) for name, spec in lfm2.state.items()}
+    assert kinds["conv0"] == ("conv", (1, 64, 2)) and kinds["conv2"] == ("conv", (1, 64, 2))
+    assert kinds["k1"][0] == "k" and "conv1" not in kinds and lfm2.recurrent()
+    mamba = driver(checkpoint("mamba2")).program(StepShape(1, 1, 128)).graph
+    kinds = {name: (spec.kind, spec.shape) for name, spec in mamba.state.items()}
+    assert kinds == {"conv0": ("conv", (1, 128 + 2 * 2 * 16, 3)), "ssm0": ("ssm", (1, 8, 16, 16)),
+                     "conv1": ("conv", (1, 192, 3)), "ssm1": ("ssm", (1, 8, 16, 16))}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_layout_and_speculation_are_refused_by_name(checkpoint, arch):
+    path = checkpoint(arch)
+    with pytest.raises(Unsupported, match="paged layout"):
+        driver(path).serve(Layout.PAGED)
+    options = DriverOptions(capacity=128, prefill_chunk=16, draft=DraftPolicy.PromptLookup())
+    with pytest.raises(Unsupported, match="roll back"):
+        Driver(ModelHandle.load(path), open_executor("cpu"), options).serve()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(checkpoint, arch):
+    graph = driver(checkpoint(arch)).program(StepShape(1, 1, 128)).graph
+    used = sorted(graph.ops() & passes.HYBRID_OPS)
+    assert used
+    pytest.importorskip("triton")
+    from poot_kernels_triton.executor import TritonExecutor
+
+    with pytest.raises(Unsupported) as refused:
+        TritonExecutor.on_interpreter().prepare(graph, None)
+    assert refused.value.reason is Reason.OPERATION and refused.value.name in used
+    vulkan = pytest.importorskip("poot_backend_vulkan.program")
+    assert not set(used) & vulkan.VULKAN_OPS
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> the f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint."""
+    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's converter not fetched: run scripts/fetch_test_data.py")
+    root = tmp_path_factory.mktemp("gguf")
+    made = {arch: root / f"{arch}.gguf" for arch in GGUF_ARCHS}
+    jobs = [{"src": str(checkpoint(arch)), "outtype": "f32", "out": str(out)} for arch, out in made.items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
+                          str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return made
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_file_from_llama_cpp_converter_matches_transformers(converted, checkpoint, arch):
+    """The f32 file: logits of a chunked prefill against transformers on the original checkpoint, and greedy
+    decode steps against transformers' generate."""
+    handle = ModelHandle.load(converted[arch])
+    assert handle.config().source_format == "gguf"
+    d = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
+    ref = tiny.reference_logits(checkpoint(arch), PROMPT)
+    assert tiny.rel_error(d.logits(PROMPT), ref) <= 1e-4
+    ours = d.serve().generate(GenerateRequest(PROMPT[:20], max_new=8, ignore_eos=True)).tokens
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint(arch), dtype=torch.float32)
+    out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, 20:].tolist()
+
+
+def test_scan_chunks_and_steps_against_the_float64_recurrence():
+    """The CPU's chunked scan (prefill) and its one-token step (decode), from a carried state, against the
+    recurrence itself in float64, over a length no chunk divides."""
+    from poot_core.cpu.recurrent import ssm_scan
+
+    g = torch.Generator().manual_seed(3)
+    R, T, H, P, G, N = 2, 13, 4, 3, 2, 5
+    x, dt = torch.randn(R, T, H, P, generator=g), torch.randn(R, T, H, generator=g)
+    b, c = torch.randn(R, T, G, N, generator=g), torch.randn(R, T, G, N, generator=g)
+    a_log, d, dt_bias = (torch.randn(H, generator=g) * 0.5 for _ in range(3))
+    start = torch.randn(R, H, P, N, generator=g)
+    # float64 reference: S = exp(dt a) S + dt x b^T, y = S c + d x, per head h of group h // (H / G)
+    S, ys = start.double().clone(), []
+    step_dt = torch.nn.functional.softplus(dt.double() + dt_bias.double())
+    a = -torch.exp(a_log.double())
+    group = torch.arange(H) // (H // G)
+    for t in range(T):
+        bt, ct = b[:, t, group].double(), c[:, t, group].double()  # [R, H, N]
+        S = (torch.exp(step_dt[:, t] * a)[..., None, None] * S
+             + (step_dt[:, t, :, None] * x[:, t].double())[..., None] * bt[:, :, None, :])
+        ys.append(torch.einsum("rhpn,rhn->rhp", S, ct) + d.double()[:, None] * x[:, t].double())
+    expected = torch.stack(ys, dim=1)
+    state = start.clone()
+    got = ssm_scan(x[:, :9], dt[:, :9], a_log, b[:, :9], c[:, :9], d, dt_bias, state, 4, (0.0, float("inf")))
+    steps = [ssm_scan(x[:, t:t + 1], dt[:, t:t + 1], a_log, b[:, t:t + 1], c[:, t:t + 1], d, dt_bias, state, 4,
+                      (0.0, float("inf"))) for t in range(9, T)]
+    got = torch.cat([got, *steps], dim=1)
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (state.double() - S).abs().max() <= 1e-5 * S.abs().max()
+
+
+def test_short_conv_chunks_against_numpy():
+    from poot_core.cpu.recurrent import short_conv
+
+    rng = np.random.default_rng(4)
+    R, T, C, K = 2, 11, 6, 4
+    x, w, b = rng.standard_normal((R, T, C)), rng.standard_normal((C, K)), rng.standard_normal(C)
+    padded = np.concatenate([np.zeros((R, K - 1, C)), x], axis=1)
+    expected = np.stack([(padded[:, t:t + K] * w.T).sum(axis=1) + b for t in range(T)], axis=1)
+    window = torch.zeros(R, C, K - 1)
+    parts = [short_conv(torch.tensor(x[:, i:j], dtype=torch.float32), torch.tensor(w, dtype=torch.float32),
+                        torch.tensor(b, dtype=torch.float32), window, None) for i, j in ((0, 5), (5, 6), (6, 11))]
+    got = torch.cat(parts, dim=1).double().numpy()
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert np.allclose(window.numpy(), x[:, -(K - 1):].transpose(0, 2, 1), atol=1e-6)
