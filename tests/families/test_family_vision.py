@@ -15,7 +15,7 @@ from poot_family_vision.runtime import VisionLanguageModel
 from helpers import tiny
 from poot_core import ModelHandle, RequestError
 
-IMAGE_TOKEN, AROUND, GLOBAL = 250, 251, 252
+IMAGE_TOKEN, AROUND, GLOBAL = 250, 251, 252  # in the prompts built by id; the chat test's come from its tokenizer
 IMAGE_SIZE, PATCH = 64, 16
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2 // 4  # pixel shuffle by 2
 
@@ -33,8 +33,8 @@ def _image(width: int, height: int, seed: int) -> Image.Image:
 IMAGES = [_image(97, 53, 1), _image(40, 120, 2)]  # wide and tall, one smaller than the tower's 64
 
 
-def _configs(arch: str) -> tuple[object, type]:
-    text = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def _configs(arch: str, vocab: int = 256) -> tuple[object, type]:
+    text = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                           bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if arch == "smolvlm":
@@ -86,7 +86,7 @@ def test_pixel_values_equal_the_processor(checkpoint):
     ours = np.stack([pixel_values(load_image(i), settings) for i in IMAGES])
     ref = _reference_pixels(IMAGES)
     assert ours.shape == ref.shape
-    assert np.abs(ours - ref).max() <= 1e-6
+    assert np.array_equal(ours, ref)
 
 
 def test_vision_tower_matches(checkpoint):
@@ -137,6 +137,66 @@ def test_text_only_prompt_through_the_family(checkpoint):
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([tokens])).logits[0]
     assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
+
+
+# SmolVLM's template: image parts become <image>, turns end with <end_of_utterance>.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny Idefics3 whose tokenizer has the processor's image tokens and SmolVLM's chat template."""
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tiny.train_tokenizer(), bos_token="<|bos|>",
+                                      eos_token="<|eos|>", chat_template=SMOLVLM_TEMPLATE)
+    fast.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>"]})
+    cfg, cls = _configs("idefics3", vocab=len(fast))
+    cfg.image_token_id = fast.convert_tokens_to_ids("<image>")
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    tiny._randomize(model, seed=5)
+    path = tmp_path_factory.mktemp("chat")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    _processor().save_pretrained(path)
+    processor = tf.Idefics3Processor(image_processor=_processor(), tokenizer=fast, image_seq_len=TOKENS_PER_IMAGE,
+                                     chat_template=SMOLVLM_TEMPLATE)
+    return path, model, processor
+
+
+def test_chat_with_images_matches_the_processor(chat_checkpoint, tmp_path):
+    import base64
+    import io
+
+    path, model, processor = chat_checkpoint
+    file = tmp_path / "tall.png"
+    IMAGES[1].save(file)
+    buf = io.BytesIO()
+    IMAGES[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is in these two pictures?"},
+        {"type": "image_url", "image_url": {"url": str(file)}}]}]
+    vlm = VisionLanguageModel.load(path)
+    tokens, images = vlm.chat_prompt(messages)
+    plain = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in these two pictures?"},
+                                          {"type": "image"}]}]
+    text = processor.apply_chat_template(plain, add_generation_prompt=True)
+    ref = processor(text=text, images=[[IMAGES[0], IMAGES[1]]], return_tensors="pt")
+    assert tokens == ref["input_ids"][0].tolist()
+    assert np.array_equal(vlm.pixel_values(images), ref["pixel_values"][0].numpy())
+    ids, _ = vlm.chat(messages, max_new=6)
+    ids_t = ref["input_ids"]
+    out = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), pixel_values=ref["pixel_values"],
+                         max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=6)
+    assert ids == out[0, ids_t.shape[1]:].tolist()
 
 
 def test_bad_images_are_request_errors(checkpoint, tmp_path):

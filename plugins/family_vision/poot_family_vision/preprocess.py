@@ -93,7 +93,8 @@ def pixel_values(image: Image.Image, settings: ImageSettings) -> np.ndarray:
     h, w = _longest_edge_size(image.height, image.width, settings.longest_edge)
     image = image.resize((w, h), Image.Resampling.LANCZOS)
     image = image.resize((settings.square, settings.square), Image.Resampling.LANCZOS)
-    x = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(settings.rescale)
+    # transformers rescales in float64 and rounds to float32 once, then normalizes in float32
+    x = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * settings.rescale).astype(np.float32)
     mean = np.asarray(settings.mean, dtype=np.float32)[:, None, None]
     std = np.asarray(settings.std, dtype=np.float32)[:, None, None]
     return ((x - mean) / std).astype(np.float32)

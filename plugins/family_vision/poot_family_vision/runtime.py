@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, open_executor
 from poot_family_vision.config import VisionLanguageParams
+from poot_family_vision.messages import expand_images, split_images
 from poot_family_vision.model import shuffle_index, trace_text, trace_vision, vision_shape
 from poot_family_vision.preprocess import ImageSettings, load_image, patches, pixel_values
 
@@ -67,6 +70,9 @@ class VisionLanguageModel:
     def _prefill(self, tokens: list[int], features: np.ndarray | None, all_logits: bool) -> tuple[object, object]:
         if not tokens or len(tokens) > self.capacity:
             raise RequestError(f"a prompt of {len(tokens)} tokens does not fit the capacity of {self.capacity}")
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary of {self.config.vocab_size}: {bad[:5]}")
         at, flat = self._image_rows(tokens, features)
         shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
         prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at)))
@@ -86,6 +92,19 @@ class VisionLanguageModel:
         if pixels is None and images:
             pixels = self.pixel_values(images)
         return None if pixels is None else self.encode_images(pixels)[1]
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Image.Image]]:
+        """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
+        plain, images = split_images(messages)
+        text = self.handle.text()
+        rendered = expand_images(text.render_chat_value(plain), len(images), self.params.vision.tokens_per_image)
+        return text.encode_chat(rendered), images
+
+    def chat(self, messages: list[dict[str, Any]], max_new: int = 32) -> tuple[list[int], str]:
+        """Greedy reply to a chat with images: (token ids, text)."""
+        tokens, images = self.chat_prompt(messages)
+        ids = self.generate(tokens, images, max_new)
+        return ids, self.handle.text().decode(ids, skip_special=True)
 
     def generate(self, tokens: list[int], images: Sequence[object] = (), max_new: int = 32,
                  pixels: np.ndarray | None = None, ignore_eos: bool = False) -> list[int]:

@@ -1,0 +1,69 @@
+"""Images in OpenAI-style chat messages, as Idefics3's processor prompts them.
+
+Content parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:..." or a
+path}} (or "image_url": "..."), {"type": "image", "image": path | data URL | PIL image}. Image parts become
+{"type": "image"} for the chat template, which writes `<image>` for each; every `<image>` the template wrote is
+then expanded as the processor does without image splitting:
+`<fake_token_around_image><global-img>` + `<image>` x tokens per image + `<fake_token_around_image>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from PIL import Image
+
+from poot_core import RequestError
+from poot_family_vision.preprocess import load_image
+
+IMAGE, AROUND, GLOBAL = "<image>", "<fake_token_around_image>", "<global-img>"
+
+
+def _image_source(part: dict[str, Any]) -> Any:
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise RequestError("an image_url part needs image_url.url (a data: URL or a file path)")
+        return url
+    source = part.get("image", part.get("url", part.get("path")))
+    if source is None:
+        raise RequestError("an image part needs its image (a path, a data: URL or a PIL image)")
+    return source
+
+
+def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """The messages with image parts as {"type": "image"}, and the images decoded, in order."""
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list")
+    out, images = [], []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image", "image_url"):
+                images.append(load_image(_image_source(part)))
+                parts.append({"type": "image"})
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise RequestError(f"unsupported message content part {kind!r}")
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def expand_images(rendered: Any, images: int, tokens_per_image: int) -> Any:
+    """The rendered chat with each `<image>` the template wrote expanded; the count must be the images'."""
+    written = sum(piece.count(IMAGE) for piece, from_message in rendered.segments if not from_message)
+    if written != images:
+        raise RequestError(f"the chat template wrote {written} image placeholders for {images} images "
+                           "(does this model's template take image parts?)")
+    expansion = AROUND + GLOBAL + IMAGE * tokens_per_image + AROUND
+    segments = tuple((piece if from_message else piece.replace(IMAGE, expansion), from_message)
+                     for piece, from_message in rendered.segments)
+    return replace(rendered, text="".join(p for p, _ in segments), segments=segments)
