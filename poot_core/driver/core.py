@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from poot_core.driver.constraints import Constraint, Matcher, compile_constraint
 from poot_core.driver.sampling import Sampler
 from poot_core.driver.speculation import (
     Draft,
@@ -79,6 +80,9 @@ class GenerateRequest:
     sampler: Sampler = field(default_factory=Sampler.greedy)
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Structured output: the reply follows a JSON schema, a regex, a choice or a grammar (constraints.py); it
+    # ends when the constraint is complete (reason "eos") or at end-of-sequence where the constraint allows it.
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -258,6 +262,7 @@ class Driver:
         if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
             raise CapacityError(f"prompt of {len(prompt)} tokens plus {request.max_new} new tokens does not fit "
                                 f"the KV capacity of {cap}; raise the capacity (-c) or shorten the request")
+        matcher = self.constraint_matcher(request)  # a constraint that does not compile: refused before any work
         timings = Timings()
         sampler = request.sampler
         text = self.handle.text()
@@ -270,23 +275,26 @@ class Driver:
         timings.prefill_seconds = time.perf_counter() - t0
 
         stop_ids = self.stop_ids(request)
-        matcher = StopMatcher(request.stops)
+        stops = StopMatcher(request.stops)
         stream = text.stream(prompt)
         history = list(prompt)
         generated: list[int] = []
         pieces: list[str] = []
         reason = "length"
+        complete = False  # the constraint admits nothing more
         limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
         decided: list[int] = []  # tokens a verify step already chose; their K/V is in the cache but the last's
         t1 = time.perf_counter()
         while len(generated) < limit:
-            token = decided.pop(0) if decided else self.next_token(last, sampler, history)
+            token = decided.pop(0) if decided else self.next_token(last, sampler, history, matcher)
             generated.append(token)
             history.append(token)
             if token in stop_ids:
                 reason = "eos"
                 break
-            emit, hit = matcher.push(stream.push(token))
+            if matcher is not None:
+                matcher.advance(token)
+            emit, hit = stops.push(stream.push(token))
             pieces.append(emit)
             control = on_token(token, emit) if on_token else None
             if hit:
@@ -294,6 +302,9 @@ class Driver:
                 break
             if control is GenerationControl.BREAK:
                 reason = "callback"
+                break
+            if matcher is not None and matcher.done:
+                reason, complete = "eos", True
                 break
             if len(generated) >= limit:
                 break
@@ -304,6 +315,8 @@ class Driver:
             timings.decode_tokens += 1
             if decided:
                 continue
+            if matcher is not None:
+                matcher.prefetch()  # the next mask is computed while the step runs
             if spec is not None:
                 spec.clock(time.perf_counter())
             proposal = None if spec is None else spec.propose(
@@ -311,7 +324,9 @@ class Driver:
             if proposal is None:
                 last = self.step(token, position)
                 continue
-            decided = self._verify(proposal, position, sampler, history)
+            if matcher is not None:  # drafts past the first one the constraint refuses are not verified
+                proposal = matcher.trim(proposal)
+            decided = self._verify(proposal, position, sampler, history, matcher)
             spec.kept(len(proposal.tokens), len(decided) - 1)
             timings.verify_steps += 1
             timings.proposed += len(proposal.tokens)
@@ -319,9 +334,9 @@ class Driver:
         else:
             if request.max_new < 0:
                 reason = "capacity"
-        if reason in ("length", "capacity", "callback"):
-            tail, _ = matcher.push(stream.flush())
-            tail += matcher.flush()
+        if reason in ("length", "capacity", "callback") or complete:
+            tail, _ = stops.push(stream.flush())
+            tail += stops.flush()
             if tail:
                 pieces.append(tail)
                 if on_token:
@@ -331,7 +346,19 @@ class Driver:
 
     def stop_ids(self, request: GenerateRequest) -> set[int]:
         """The ids that end `request` as "eos": none under ignore_eos."""
-        return set() if request.ignore_eos else set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
+        return set() if request.ignore_eos else self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        return set(self.handle.text().vocab.stop_ids) | set(self.config.eos_ids)
+
+    def constraint_matcher(self, request: GenerateRequest) -> Matcher | None:
+        """The request's constraint compiled against this model's tokenizer (None without one); RequestError
+        when it does not compile. End-of-sequence is allowed where the constraint is complete, unless
+        ignore_eos."""
+        if request.constraint is None:
+            return None
+        return compile_constraint(request.constraint, self.handle.text().vocab.tokenizer, self.config.vocab_size,
+                                  self._eos_ids(), allow_eos=not request.ignore_eos)
 
     def _extend(self, tokens: list[int]) -> tuple[Output, int]:
         """Make the cache hold `tokens`, running only what it does not hold yet (always at least the last
@@ -361,21 +388,28 @@ class Driver:
         self._cached.append(token)
         return last
 
-    def _verify(self, proposal: Proposal, position: int, sampler: Sampler, history: list[int]) -> list[int]:
+    def _verify(self, proposal: Proposal, position: int, sampler: Sampler, history: list[int],
+                matcher: Matcher | None = None) -> list[int]:
         """Run history's last token and the proposal as one step at `position`, read the logits of every
         position and return the tokens the rule keeps (see speculation.accept). The cache then holds the kept
-        tokens; the rejected positions are dropped from the bookkeeping and written over by the next step."""
+        tokens; the rejected positions are dropped from the bookkeeping and written over by the next step. Under
+        a constraint each position's logits are masked by the constraint's state after the drafts before it
+        (the state itself is rolled back; the loop advances it by the kept tokens)."""
         tokens = [history[-1], *proposal.tokens]
         logits = self.executor.to_numpy(self._run(tokens, position, True))[0]
+        if matcher is not None:
+            logits = np.where(matcher.masks_along(proposal.tokens), logits, -np.inf)
         decided = accept(logits, proposal, sampler, history)
         self._cached = self._cached[:position] + tokens[: len(decided)]
         return decided
 
-    def next_token(self, logits: Output, sampler: Sampler, history: list[int]) -> int:
-        """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host."""
-        if sampler.is_greedy and self._greedy is not None:
+    def next_token(self, logits: Output, sampler: Sampler, history: list[int], matcher: Matcher | None = None) -> int:
+        """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host,
+        over the logits the constraint allows (if any)."""
+        if matcher is None and sampler.is_greedy and self._greedy is not None:
             return int(self._greedy(logits))
-        return sampler.sample(self.executor.to_numpy(logits)[0, -1], history)
+        row = self.executor.to_numpy(logits)[0, -1]
+        return sampler.sample(row if matcher is None else matcher.apply(row), history)
 
     # --- encode: the final hidden state of every position (embeddings) ---------------------------------
     def prepare_encode(self, rows: int, longest: int) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from poot_core.driver.constraints import Matcher
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
@@ -77,6 +78,7 @@ class _Request:
     stream: object
     submitted: float
     on_token: OnToken | None = None
+    constraint: Matcher | None = None  # the request's compiled constraint, if any
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     first_token: float = 0.0
@@ -172,14 +174,20 @@ class ServingDriver:
         return prompt
 
     def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None) -> int:
-        """Queue a request; returns its id. A request that can never fit is a CapacityError here."""
+        """Queue a request; returns its id. A request that can never fit is a CapacityError here, a constraint
+        that does not compile a RequestError."""
         prompt = self._check(request)
+        return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt)
+
+    def _submit(self, request: GenerateRequest, prompt: list[int], matcher: Matcher | None, priority: int = 0,
+                cache_salt: str | None = None) -> int:
         rid = self._next_id
         self._next_id += 1
         seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, arrival=rid)
         limit = request.max_new if request.max_new >= 0 else self.capacity - len(prompt)
         req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
-                       StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter())
+                       StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter(),
+                       constraint=matcher)
         self._requests[rid] = req
         if self.keep_logits:
             self.logits[rid] = []
@@ -222,6 +230,10 @@ class ServingDriver:
         n = sum(count for _, count in batch)
         shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
         inputs = self._inputs(shape, batch)
+        for seq, count in batch:  # the masks of the rows this step samples are built while it runs
+            matcher = self._requests[seq.id].constraint
+            if matcher is not None and seq.computed + count == len(seq.tokens):
+                matcher.prefetch()
         try:
             out = self.program(shape).run(self._state, inputs)[0]
         except PootError as exc:  # the step's sequences fail, each with the error in its own event
@@ -261,7 +273,8 @@ class ServingDriver:
             req = self._requests[seq.id]
             if self.keep_logits:
                 self.logits[seq.id].append(logits[slot].copy())
-            token = req.request.sampler.sample(logits[slot], seq.tokens)
+            row = logits[slot] if req.constraint is None else req.constraint.apply(logits[slot])
+            token = req.request.sampler.sample(row, seq.tokens)
             events.extend(self._accept(req, token))
         return events
 
@@ -273,6 +286,8 @@ class ServingDriver:
         req.seq.tokens.append(token)
         if token in req.stop_ids:
             return self._finish(req, "eos")
+        if req.constraint is not None:
+            req.constraint.advance(token)
         emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
         req.pieces.append(emit)
         events: list[Event] = [TokenEvent(req.seq.id, token, emit)]
@@ -283,15 +298,17 @@ class ServingDriver:
             return events + self._finish(req, "stop")
         if control is GenerationControl.BREAK:
             return events + self._finish(req, "callback")
+        if req.constraint is not None and req.constraint.done:  # the constraint is complete
+            return events + self._finish(req, "eos", flush=True)
         if len(req.generated) >= req.limit:
             return events + self._finish(req, "length")
         return events
 
-    def _finish(self, req: _Request, reason: str, error: PootError | None = None) -> list[Event]:
+    def _finish(self, req: _Request, reason: str, error: PootError | None = None, flush: bool = False) -> list[Event]:
         from poot_core.driver.core import Generation, Timings
 
         events: list[Event] = []
-        if reason in ("length", "capacity", "callback"):
+        if flush or reason in ("length", "capacity", "callback"):
             tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]
             tail += req.matcher.flush()
             if tail:
@@ -317,9 +334,8 @@ class ServingDriver:
     def generate_batch(self, requests: list[GenerateRequest]) -> list[Generation]:
         """Run every request to its end, sharing steps; generations in the requests' order. Each is checked
         before any is queued."""
-        for request in requests:
-            self._check(request)
-        ids = [self.submit(r) for r in requests]
+        checked = [(r, self._check(r), self.driver.constraint_matcher(r)) for r in requests]
+        ids = [self._submit(*c) for c in checked]
         done: dict[int, Generation] = {}
         pending = set(ids)
         while pending:
