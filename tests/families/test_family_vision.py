@@ -7,64 +7,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 from PIL import Image
 from poot_family_vision.preprocess import ImageSettings, load_image, pixel_values
 from poot_family_vision.runtime import VisionLanguageModel
 
-from helpers import tiny
+from helpers import tiny, vision
 from poot_core import ModelHandle, RequestError
 
-IMAGE_TOKEN, AROUND, GLOBAL = 250, 251, 252  # in the prompts built by id; the chat test's come from its tokenizer
-IMAGE_SIZE, PATCH = 64, 16
-TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2 // 4  # pixel shuffle by 2
+IMAGE_TOKEN, AROUND, GLOBAL = vision.IMAGE_TOKEN, 251, 252  # prompts built by id; the chat test's from its tokenizer
+IMAGE_SIZE, TOKENS_PER_IMAGE = vision.IMAGE_SIZE, vision.TOKENS_PER_IMAGE
 
 
-def _image(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth gradient with noise and a bright square: resizing it exercises Lanczos everywhere."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([255 * x / width, 255 * y / height, 128 + 60 * np.sin(x / 5.0 + y / 7.0)], axis=-1)
-    rgb = rgb + rng.normal(0, 20, rgb.shape)
-    rgb[height // 4 : height // 2, width // 3 : width // 2] = 250
-    return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
-
-
-IMAGES = [_image(97, 53, 1), _image(40, 120, 2)]  # wide and tall, one smaller than the tower's 64
-
-
-def _configs(arch: str, vocab: int = 256) -> tuple[object, type]:
-    text = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    if arch == "smolvlm":
-        vision = tf.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
-        cfg = tf.SmolVLMConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
-                               image_token_id=IMAGE_TOKEN)
-        return cfg, tf.SmolVLMForConditionalGeneration
-    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
-    cfg = tf.Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
-                            image_token_id=IMAGE_TOKEN)
-    return cfg, tf.Idefics3ForConditionalGeneration
-
-
-def _processor() -> tf.Idefics3ImageProcessorPil:
-    return tf.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 2 * IMAGE_SIZE},
-                                        max_image_size={"longest_edge": IMAGE_SIZE})
+IMAGES = vision.IMAGES
 
 
 @pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
 def checkpoint(request, tmp_path_factory):
-    cfg, cls = _configs(request.param)
+    cfg, cls = vision.configs(request.param)
     torch.manual_seed(0)
     model = cls(cfg).eval()
     tiny._randomize(model, seed=3)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     tiny.save_tokenizer(path)
-    _processor().save_pretrained(path)
+    vision.processor().save_pretrained(path)
     return path, model
 
 
@@ -76,7 +42,7 @@ def _prompt(images: int) -> list[int]:
 
 
 def _reference_pixels(images: list[Image.Image]) -> np.ndarray:
-    out = _processor()(images=[[i] for i in images], return_tensors="pt")
+    out = vision.processor()(images=[[i] for i in images], return_tensors="pt")
     return out["pixel_values"].reshape(-1, 3, IMAGE_SIZE, IMAGE_SIZE).numpy()
 
 
@@ -139,35 +105,9 @@ def test_text_only_prompt_through_the_family(checkpoint):
     assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
 
 
-# SmolVLM's template: image parts become <image>, turns end with <end_of_utterance>.
-SMOLVLM_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
-    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory):
-    """A tiny Idefics3 whose tokenizer has the processor's image tokens and SmolVLM's chat template."""
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tiny.train_tokenizer(), bos_token="<|bos|>",
-                                      eos_token="<|eos|>", chat_template=SMOLVLM_TEMPLATE)
-    fast.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
-                                                          "<end_of_utterance>"]})
-    cfg, cls = _configs("idefics3", vocab=len(fast))
-    cfg.image_token_id = fast.convert_tokens_to_ids("<image>")
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    tiny._randomize(model, seed=5)
-    path = tmp_path_factory.mktemp("chat")
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    _processor().save_pretrained(path)
-    processor = tf.Idefics3Processor(image_processor=_processor(), tokenizer=fast, image_seq_len=TOKENS_PER_IMAGE,
-                                     chat_template=SMOLVLM_TEMPLATE)
-    return path, model, processor
+    return vision.chat_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
 def test_chat_with_images_matches_the_processor(chat_checkpoint, tmp_path):
