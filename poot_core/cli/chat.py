@@ -104,8 +104,9 @@ class Conversation:
         threads.for_prefill()
         self.interrupted = False
         with on_interrupt(self._on_interrupt):
-            result = self.loaded.driver.generate(GenerateRequest(ids, a.n_predict, sampler, stops, a.ignore_eos),
-                                                 on_token)
+            request = GenerateRequest(ids, a.n_predict, sampler, stops, a.ignore_eos,
+                                      constraint=getattr(a, "constraint", None))
+            result = self.loaded.driver.generate(request, on_token)
         if stream:
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -77,6 +77,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="most tokens proposed per verify step (default: 8)")
     spec.add_argument("--draft-min", type=int, default=None, metavar="N",
                       help="fewest proposed tokens worth a verify step (default: 1)")
+    structured = p.add_argument_group("structured output (the reply follows a grammar or a JSON schema)")
+    structured.add_argument("--grammar", metavar="GBNF", help="a grammar in llama.cpp's GBNF (or llguidance's Lark)")
+    structured.add_argument("--grammar-file", metavar="FILE", help="read the --grammar from a file")
+    structured.add_argument("-j", "--json-schema", metavar="SCHEMA",
+                            help="a JSON schema the reply is an instance of: its JSON text or a file holding it")
+    structured.add_argument("-jf", "--json-schema-file", metavar="FILE", help="read the --json-schema from a file")
+    structured.add_argument("--json-object", action="store_true",
+                            help="the reply is one JSON object (--json prints the result as JSON instead)")
     p.add_argument("--prefill-chunk", type=int, dest="batch_size", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"poot {version()}")
     p.set_defaults(run=run)
@@ -125,6 +133,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise RequestError(f"-n must be -1 or >= 0, got {args.n_predict}")
     runtime.check_device_flags(args)
     _check_draft_flags(args)
+    args.constraint = _constraint(args)
     if args.temp <= 0:
         unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                            ("--min-p", args.min_p), ("-s", args.seed)) if value is not None]
@@ -153,6 +162,48 @@ def _check_draft_flags(args: argparse.Namespace) -> None:
                            f"{args.draft_min}")
     if args.model_draft is not None and not Path(args.model_draft).exists():
         raise RequestError(f"no such draft checkpoint: {args.model_draft}")
+
+
+def _read(flag: str, path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(f"cannot read {flag} {path}: {exc}") from exc
+
+
+def _constraint(args: argparse.Namespace) -> Any:
+    """The Constraint the structured-output flags ask for, compiled once without the model so that a schema or
+    grammar that does not compile is refused before the weights are read."""
+    from poot_core.driver.constraints import Constraint
+
+    given = [flag for flag, on in (("--grammar", args.grammar is not None),
+                                   ("--grammar-file", args.grammar_file is not None),
+                                   ("--json-schema", args.json_schema is not None),
+                                   ("--json-schema-file", args.json_schema_file is not None),
+                                   ("--json-object", args.json_object)) if on]
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(given)} each constrain the reply; give one")
+    if not given:
+        return None
+    if args.grammar is not None or args.grammar_file is not None:
+        constraint = Constraint.grammar(args.grammar if args.grammar is not None
+                                        else _read("--grammar-file", args.grammar_file))
+    elif args.json_object:
+        constraint = Constraint.json_object()
+    else:
+        if args.json_schema_file is not None:
+            text = _read("--json-schema-file", args.json_schema_file)
+        else:
+            text = args.json_schema
+            try:
+                json.loads(text)
+            except ValueError:  # not JSON text: a file that holds the schema
+                if not Path(text).is_file():
+                    raise RequestError(f"--json-schema {text[:60]!r} is neither JSON nor a file") from None
+                text = _read("--json-schema", text)
+        constraint = Constraint.json_schema(text)
+    constraint.check()
+    return constraint
 
 
 def _draft_policy(args: argparse.Namespace, model: Path) -> Any:

@@ -66,8 +66,6 @@ _GROUPS: list[tuple[tuple[str, ...], str]] = [
       "--dry-sequence-breaker", "--adaptive-target", "--adaptive-decay", "--dynatemp-range", "--dynatemp-exp",
       "--mirostat", "--mirostat-lr", "--mirostat-ent", "-l", "--logit-bias", "-bs", "--backend-sampling"),
      _SAMPLING),
-    (("--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"),
-     "poot has no constrained decoding"),
     (("--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx",
       "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast", "-gan", "--grp-attn-n",
       "-gaw", "--grp-attn-w"), _ROPE),

@@ -95,6 +95,10 @@ ACCEPTED: dict[str, tuple[list[str], str, object]] = {
     "-v": ([], "verbose", True), "--verbose": ([], "verbose", True), "--log-verbose": ([], "verbose", True),
     "-md": (["d.gguf"], "model_draft", "d.gguf"), "--model-draft": (["d.gguf"], "model_draft", "d.gguf"),
     "--draft-max": (["6"], "draft_max", 6), "--draft-min": (["2"], "draft_min", 2),
+    "--grammar": (['root ::= "a"'], "grammar", 'root ::= "a"'),
+    "--grammar-file": (["g.gbnf"], "grammar_file", "g.gbnf"),
+    "-j": (["{}"], "json_schema", "{}"), "--json-schema": (["{}"], "json_schema", "{}"),
+    "-jf": (["s.json"], "json_schema_file", "s.json"), "--json-schema-file": (["s.json"], "json_schema_file", "s.json"),
 }
 SPECIAL = {"-h", "--help", "--version"}  # print and exit 0: checked below
 
