@@ -34,11 +34,14 @@ ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "bamba"]
 # Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
 CONVERTER = TESTDATA / "llama.cpp" / "convert"
-GGUF_ARCHS = ["lfm2"]
+GGUF_ARCHS = ["lfm2", "mamba2"]
+TOKENIZER_SIZE = 320  # with merges beyond the 256 bytes and 4 specials, as the converter's gpt2 vocabulary needs
 
 
 def hybrid_config(arch: str) -> Any:
-    common: dict[str, Any] = dict(vocab_size=256, hidden_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    # the tokenizer's ids (llama.cpp's converter checks them), a multiple of 16 (its Mamba2 pads to one)
+    common: dict[str, Any] = dict(vocab_size=TOKENIZER_SIZE, hidden_size=64, bos_token_id=0, eos_token_id=1,
+                                  pad_token_id=0)
     if arch == "lfm2":
         return tf.Lfm2Config(**common, intermediate_size=128, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -76,7 +79,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
             model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
             tiny._randomize(model, 0)
             model.to(dtype).save_pretrained(path)
-            tiny.save_tokenizer(path)
+            tiny.save_tokenizer(path, TOKENIZER_SIZE)
             _BUILT[key] = path
         return _BUILT[key]
 
