@@ -21,7 +21,8 @@ tok/s of the prompt (512 tokens; --quick: 128 and 16 new tokens), their ratios, 
 over half the measured copy bandwidth: a copy reads and writes, decode only reads), poot's resident memory
 after load and warm-up against the file size, the block types each file really holds, and the machine's
 load average beside each file (the development machine is shared: figures under load are noisy). JSON goes to
-bench/results/cpu_gguf_matrix.json (--quick: cpu_gguf_matrix_quick.json).
+bench/results/cpu_gguf_matrix.json (--quick: cpu_gguf_matrix_quick.json; --cpu-activations q8 adds _q8: poot
+loads with LoadOptions(cpu_activations="q8"), llama.cpp is unchanged).
 """
 
 from __future__ import annotations
@@ -152,16 +153,16 @@ def mix_text(mix: dict[str, Any]) -> str:
 
 # ---- the workers: one process per engine and file, driven over stdin/stdout by JSON lines ------------------
 
-def _serve(engine: str, path: Path, threads: int, out: IO[str]) -> None:
+def _serve(engine: str, path: Path, threads: int, out: IO[str], activations: str = "exact") -> None:
     if engine == "poot":
         import torch
 
         torch.set_num_threads(threads)
         import poot_core.cpu.executor  # noqa: F401  (code paged in is not load memory)
-        from poot_core import Driver, DriverOptions, ModelHandle, open_executor
+        from poot_core import Driver, DriverOptions, LoadOptions, ModelHandle, open_executor
 
         before = common.anonymous_bytes()
-        handle = ModelHandle.load(path)
+        handle = ModelHandle.load(path, options=LoadOptions(cpu_activations=activations))
         driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=CAPACITY, prefill_chunk=512)).serve()
         ids = prompt_ids(handle.text().encode)
         loaded = common.anonymous_bytes() - before
@@ -195,12 +196,12 @@ def _serve(engine: str, path: Path, threads: int, out: IO[str]) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str, path: Path, threads: int) -> None:
+    def __init__(self, engine: str, path: Path, threads: int, activations: str = "exact") -> None:
         self.engine = engine
         self.log = tempfile.TemporaryFile(mode="w+")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", engine, str(path), "--threads",
-                                      str(threads)],
+                                      str(threads), "--cpu-activations", activations],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
 
@@ -226,9 +227,10 @@ class Worker:
         self.log.close()
 
 
-def measure(path: Path, threads: int, prompt_tokens: int, new_tokens: int, rounds: int) -> dict[str, Any]:
+def measure(path: Path, threads: int, prompt_tokens: int, new_tokens: int, rounds: int,
+            activations: str = "exact") -> dict[str, Any]:
     bandwidth = common.copy_bandwidth()
-    workers = {e: Worker(e, path, threads) for e in ("poot", "llama_cpp")}  # both load at once
+    workers = {e: Worker(e, path, threads, activations) for e in ("poot", "llama_cpp")}  # both load at once
     try:
         ids = workers["poot"].receive()["ids"][:prompt_tokens]
         workers["llama_cpp"].receive()
@@ -295,6 +297,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, help="decode this many tokens (default 128, --quick 16)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per engine (best of them)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine")
+    parser.add_argument("--cpu-activations", choices=("exact", "q8"), default="exact",
+                        help="poot's LoadOptions(cpu_activations=...): q8 quantizes decode activations as llama.cpp")
     parser.add_argument("--prepare", action="store_true", help="only make the files and print their block types")
     parser.add_argument("--serve", nargs=2, metavar=("ENGINE", "GGUF"), help=argparse.SUPPRESS)  # a worker
     parser.add_argument("--quantize", nargs=3, metavar=("SRC", "DST", "TYPE"), help=argparse.SUPPRESS)
@@ -304,15 +308,18 @@ def main() -> int:
     if args.serve:
         out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed goes to stderr
         os.dup2(2, 1)
-        _serve(args.serve[0], Path(args.serve[1]), args.threads, out)
+        _serve(args.serve[0], Path(args.serve[1]), args.threads, out, args.cpu_activations)
         return 0
 
     prompt_tokens, new_tokens = (128, 16) if args.quick else (512, 128)
     new_tokens = args.new_tokens or new_tokens
     results: dict[str, Any] = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": args.rounds,
-                               "engine_threads": args.threads, "llama2048": LLAMA2048, "code": _code_state(),
+                               "engine_threads": args.threads, "cpu_activations": args.cpu_activations,
+                               "llama2048": LLAMA2048, "code": _code_state(),
                                "models": {}}
     name = "cpu_gguf_matrix_quick" if args.quick else "cpu_gguf_matrix"
+    if args.cpu_activations != "exact":
+        name += f"_{args.cpu_activations}"
     t0 = time.perf_counter()
     for model in args.models:
         files = {t: gguf_file(model, t, args.threads) for t in args.types}  # all made before any timing
@@ -321,13 +328,15 @@ def main() -> int:
             for file_type, path in files.items():
                 print(f"  {file_type:<7} {path.stat().st_size / 2**20:7.1f} MiB  {mix_text(tensor_mix(path))}")
             continue
-        print(f"\n{model}: prompt {prompt_tokens} tokens, {new_tokens} new, {args.threads} threads each, "
+        print(f"\n{model}: poot cpu_activations={args.cpu_activations}; prompt {prompt_tokens} tokens, "
+              f"{new_tokens} new, {args.threads} threads each, "
               f"best of {args.rounds} alternating rounds; floor = decode tok/s at half the copy bandwidth")
         print(HEADER, flush=True)
         entries: dict[str, Any] = results["models"].setdefault(model, {})
         for file_type, path in files.items():
             started = time.perf_counter()
-            entries[file_type] = {**measure(path, args.threads, prompt_tokens, new_tokens, args.rounds),
+            entries[file_type] = {**measure(path, args.threads, prompt_tokens, new_tokens, args.rounds,
+                                            args.cpu_activations),
                                   "mix": tensor_mix(path)}
             entries[file_type]["seconds"] = time.perf_counter() - started
             entries[file_type]["load_average_1min"] = os.getloadavg()[0]  # others' work on a shared machine
