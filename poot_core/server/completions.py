@@ -1,0 +1,171 @@
+"""/v1/chat/completions and /v1/completions: whole responses and server-sent event streams.
+
+A stream ends with `data: [DONE]`; with stream_options.include_usage the chunk before it carries the usage
+and no choices. An error after the stream started (the engine failed, the server is stopping) arrives as a
+final event in OpenAI's error shape. A client that goes away aborts its requests at once: for a stream,
+Starlette cancels the generator; for a whole response, a watcher reads the connection's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from poot_core.server.bridge import Done, Piece, Rejected, Ticket
+from poot_core.server.errors import APIError, error_body
+from poot_core.server.generation import Plan, chat_plan, completion_plans, finish_reason
+from poot_core.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
+from poot_core.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    state = _state(request)
+    state.check_model(body.model)
+    loaded = state.need()
+    plan = chat_plan(loaded.text, body, loaded.window)
+    return await _serve(state, request, body, [plan], chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    state = _state(request)
+    state.check_model(body.model)
+    loaded = state.need()
+    plans = completion_plans(loaded.text, body, loaded.window)
+    return await _serve(state, request, body, plans, chat=False)
+
+
+async def _serve(state: ServerState, request: Request, body: Sampling, plans: list[Plan], chat: bool) -> Any:
+    requests = [r for plan in plans for r in plan.requests(body.n)]
+    tickets = await state.submit(request.state.tenant, requests)
+    prompt_tokens = sum(len(p.prompt) for p in plans)
+    meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), state.settings.model,
+                 chat, prompt_tokens)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, tickets, meta, usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_abort_on_disconnect(request, state, tickets))
+    try:
+        finished = [await _collect(t) for t in tickets]
+    finally:
+        watcher.cancel()
+    choices, completion_tokens = [], 0
+    for index, (text, done) in enumerate(finished):
+        reason = finish_reason(done.event.reason)
+        completion_tokens += len(done.event.generation.tokens)
+        if chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": reason})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+    return JSONResponse({"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model,
+                         "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+class _Meta:
+    def __init__(self, id_: str, created: int, model: str, chat: bool, prompt_tokens: int) -> None:
+        self.id, self.created, self.model, self.chat, self.prompt_tokens = id_, created, model, chat, prompt_tokens
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                                "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _event(body)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _collect(ticket: Ticket) -> tuple[str, Done]:
+    pieces = []
+    while True:
+        item = await ticket.items.get()
+        if isinstance(item, Piece):
+            pieces.append(item.text)
+        elif isinstance(item, Done):
+            if item.event.reason == "error":
+                raise APIError(500, f"generation failed: {item.event.error}", code="generation_error")
+            return "".join(pieces), item
+        elif isinstance(item, Rejected):
+            raise APIError(503, str(item.error), code="not_ready")
+
+
+async def _abort_on_disconnect(request: Request, state: ServerState, tickets: list[Ticket]) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            state.abort(tickets)
+            return
+
+
+async def _stream(state: ServerState, tickets: list[Ticket], meta: _Meta, usage: bool) -> AsyncIterator[str]:
+    """Every choice's items, as they come, merged into one event stream."""
+    merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, ticket: Ticket) -> None:
+        while True:
+            item = await ticket.items.get()
+            await merged.put((index, item))
+            if isinstance(item, Done | Rejected):
+                return
+
+    pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    open_ = len(tickets)
+    completion_tokens = 0
+    try:
+        if meta.chat:
+            yield meta.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for i in range(len(tickets))])
+        while open_:
+            index, item = await merged.get()
+            if isinstance(item, Piece):
+                if item.text:
+                    yield meta.chunk([_delta(meta, index, item.text, None)])
+            elif isinstance(item, Done):
+                open_ -= 1
+                if item.event.reason == "error":
+                    yield _event(error_body(f"generation failed: {item.event.error}", "server_error", None,
+                                            "generation_error"))
+                    return
+                completion_tokens += len(item.event.generation.tokens)
+                yield meta.chunk([_delta(meta, index, "", finish_reason(item.event.reason))])
+            elif isinstance(item, Rejected):
+                yield _event(error_body(str(item.error), "server_error", None, "server_stopping"))
+                return
+        if usage:
+            yield meta.chunk([], _usage(meta.prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (cancelled here) or an error ended the stream: nothing keeps running
+        state.abort(tickets)
+        for p in pumps:
+            p.cancel()
+
+
+def _delta(meta: _Meta, index: int, text: str, reason: str | None) -> dict[str, Any]:
+    if meta.chat:
+        return {"index": index, "delta": {"content": text} if text or reason is None else {}, "logprobs": None,
+                "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}

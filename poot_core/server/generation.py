@@ -1,0 +1,152 @@
+"""From an OpenAI request body to what the engine runs: prompt ids, the sampler, stops and the token limit.
+
+OpenAI's defaults apply where a field is absent (temperature 1, top-p 1, no top-k, no min-p), not
+llama.cpp's: clients expect them. temperature 0 is greedy and gives the offline engine's exact tokens.
+Fields poot cannot honour yet are refused by name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from poot_core.driver.core import GenerateRequest
+from poot_core.driver.sampling import Sampler
+from poot_core.server.errors import APIError
+from poot_core.server.schemas import MAX_STOPS, ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
+from poot_core.text.services import TextServices
+
+
+@dataclass
+class Plan:
+    """What one prompt of a request runs: `n` choices of the same prompt."""
+
+    prompt: list[int]
+    max_new: int  # -1: to the end of the window
+    stops: list[str]
+    body: Sampling
+
+    def requests(self, n: int) -> list[GenerateRequest]:
+        """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
+        return [GenerateRequest(list(self.prompt), self.max_new, sampler(self.body, i), list(self.stops),
+                                self.body.ignore_eos) for i in range(n)]
+
+
+def refuse(field: str, why: str) -> APIError:
+    return APIError(400, f"{field}: {why}", param=field, code="unsupported_parameter")
+
+
+def sampler(body: Sampling, choice: int = 0) -> Sampler:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    seed = None if body.seed is None else (body.seed + choice) % 2**63
+    return Sampler(temperature=temperature, top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
+                   min_p=body.min_p or 0.0, repeat_penalty=body.repetition_penalty or 1.0, seed=seed)
+
+
+def _common_refusals(body: Sampling) -> None:
+    if body.presence_penalty or body.frequency_penalty:
+        raise refuse("presence_penalty" if body.presence_penalty else "frequency_penalty",
+                     "not supported; repetition_penalty (a multiplicative penalty on recent tokens) is")
+    if body.logit_bias:
+        raise refuse("logit_bias", "not supported")
+    if body.stream_options is not None and not body.stream:
+        raise refuse("stream_options", "only allowed with stream: true")
+
+
+def stops_of(body: Sampling) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise refuse("stop", f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+    return [s for s in stops if s]
+
+
+def check_window(prompt: int, max_new: int, window: int, what: str = "messages") -> None:
+    """A request that can never fit the window is a 400 naming both numbers (vLLM's wording)."""
+    asked = prompt + max(max_new, 0)
+    if asked > window or prompt >= window:
+        raise APIError(400, f"This model's maximum context length is {window} tokens. However, you requested "
+                            f"{asked} tokens ({prompt} in the {what}, {max(max_new, 0)} in the completion). "
+                            "Please reduce the length of the messages or completion.",
+                       param="max_tokens" if prompt < window else what, code="context_length_exceeded")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template reads them: text parts joined; anything but text refused."""
+    out = []
+    for i, message in enumerate(messages):
+        m = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.type if hasattr(part, "type") else part.get("type")
+                if kind != "text":
+                    raise refuse(f"messages.{i}.content", f"content parts of type {kind!r} are not supported; "
+                                 "this server takes text")
+                texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
+            m["content"] = "".join(texts)
+        out.append(m)
+    return out
+
+
+def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> Plan:
+    _common_refusals(body)
+    if body.logprobs or body.top_logprobs:
+        raise refuse("logprobs", "not supported yet")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise refuse("response_format", f"type {body.response_format.get('type')!r} is not supported yet")
+    if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+        raise refuse("tool_choice", "forcing a tool call is not supported; the tools reach the chat template")
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise refuse("max_completion_tokens", "differs from max_tokens; give one of them")
+    limit = body.max_completion_tokens or body.max_tokens
+    rendered = text.render_chat_value(message_dicts(body.messages), body.tools)
+    prompt = text.encode_chat(rendered)
+    max_new = -1 if limit is None else limit
+    check_window(len(prompt), max_new, window)
+    stops = stops_of(body)
+    if not body.ignore_eos:
+        stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
+    return Plan(prompt, max_new, stops, body)
+
+
+def completion_plans(text: TextServices, body: CompletionRequest, window: int) -> list[Plan]:
+    _common_refusals(body)
+    if body.echo:
+        raise refuse("echo", "not supported")
+    if body.logprobs:
+        raise refuse("logprobs", "not supported yet")
+    if body.suffix:
+        raise refuse("suffix", "not supported (no fill-in-the-middle)")
+    if body.best_of is not None and body.best_of != body.n:
+        raise refuse("best_of", "only best_of equal to n is supported")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[list[int]] = [text.encode(prompt)]
+    elif not prompt:
+        raise refuse("prompt", "is empty")
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [text.encode(p) for p in prompt]  # type: ignore[arg-type]
+    else:
+        prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
+    vocab = text.vocab_size()
+    plans = []
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise refuse(f"prompt.{i}" if len(prompts) > 1 else "prompt", "has no tokens")
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise refuse("prompt", f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
+        max_new = -1 if body.max_tokens is None else body.max_tokens
+        check_window(len(ids), max_new, window, "prompt")
+        plans.append(Plan(ids, max_new, stops_of(body), body))
+    return plans
+
+
+def finish_reason(reason: str) -> str:
+    """The engine's stop reason in OpenAI's words."""
+    return {"eos": "stop", "stop": "stop", "length": "length", "capacity": "length"}.get(reason, reason)

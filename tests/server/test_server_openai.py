@@ -1,0 +1,248 @@
+"""`poot serve` through the official openai client (sync, async, streaming): greedy answers equal the offline
+engine's tokens for the same prompts, usage counts are the engine's token counts, embeddings equal
+SentenceEncoder's, tokenize/detokenize equal the model's tokenizer, and the metrics count what was served."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from helpers import smollm
+from helpers.encoders import DOCS, QUERY, build_cross_encoder, minilm_path
+from helpers.server import CTX, MODEL_NAME
+from poot_core import GenerateRequest, Sampler
+
+MAX_NEW = 12
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}],
+]
+EMBED_TEXTS = ["a small domestic cat", "the stock market fell sharply today", "cat"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cross-bert")
+    build_cross_encoder(path, "bert")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(serve, cross_encoder):
+    return serve("--embedding-model", str(minilm_path()), "--rerank-model", str(cross_encoder), "--max-running", "8")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat_reference(engine, messages, max_new=MAX_NEW, stops=(), sampler=None):
+    text = engine.driver.handle.text()
+    rendered = text.render_chat_value(messages)
+    ids = text.encode_chat(rendered)
+    request = GenerateRequest(ids, max_new, sampler or Sampler.greedy(), [*stops, *rendered.stops])
+    return ids, engine.generate_batch([request])[0]
+
+
+def _completion_reference(engine, prompt, max_new=MAX_NEW):
+    ids = prompt if isinstance(prompt, list) else engine.driver.handle.text().encode(prompt)
+    return ids, engine.generate_batch([GenerateRequest(list(ids), max_new)])[0]
+
+
+REASON = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def test_models_lists_the_served_name_and_window(client):
+    models = client.models.list().data
+    assert models[0].id == MODEL_NAME
+    assert models[0].model_extra["max_model_len"] == CTX
+    assert [m.id for m in models[1:]] == [minilm_path().name, "cross-bert0"]
+
+
+@pytest.mark.parametrize("which", range(len(CHATS)))
+def test_greedy_chat_equals_the_engine(client, reference, which):
+    ids, ref = _chat_reference(reference, CHATS[which])
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHATS[which], max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == REASON[ref.stop_reason]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(ref.tokens))
+    assert r.usage.total_tokens == len(ids) + len(ref.tokens)
+
+
+def test_greedy_completions_equal_the_engine(client, reference):
+    for prompt in [*smollm.PROMPTS, [1, 504, 3458, 282]]:
+        ids, ref = _completion_reference(reference, prompt)
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].text == ref.text, prompt
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(ref.tokens))
+
+
+def test_a_list_of_prompts_and_n_choices(client, reference):
+    prompts = smollm.PROMPTS[:2]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    refs = [_completion_reference(reference, p, 6) for p in prompts]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [refs[0][1].text] * 2 + [refs[1][1].text] * 2
+    assert r.usage.prompt_tokens == sum(len(ids) for ids, _ in refs)
+    assert r.usage.completion_tokens == 2 * sum(len(g.tokens) for _, g in refs)
+
+
+def test_async_clients_at_once_equal_the_engine(server, reference):
+    """Requests that share the engine's steps answer what each gives alone."""
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120) as c:
+            chats = [c.chat.completions.create(model=MODEL_NAME, messages=m, max_tokens=MAX_NEW, temperature=0)
+                     for m in CHATS]
+            texts = [c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=MAX_NEW, temperature=0)
+                     for p in smollm.PROMPTS]
+            return await asyncio.gather(*chats, *texts)
+
+    results = asyncio.run(run())
+    expected = [_chat_reference(reference, m)[1].text for m in CHATS]
+    expected += [_completion_reference(reference, p)[1].text for p in smollm.PROMPTS]
+    got = [r.choices[0].message.content for r in results[: len(CHATS)]]
+    got += [r.choices[0].text for r in results[len(CHATS) :]]
+    assert got == expected
+
+
+def test_streamed_chat_with_usage(client, reference):
+    ids, ref = _chat_reference(reference, CHATS[0])
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=MAX_NEW, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [REASON[ref.stop_reason]]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), len(ref.tokens))
+
+
+def test_streamed_completion_ends_with_done(server, reference):
+    _, ref = _completion_reference(reference, smollm.PROMPTS[0])
+    body = {"model": MODEL_NAME, "prompt": smollm.PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{server.base}/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+    assert all("usage" not in c for c in chunks)  # no include_usage: no usage chunk
+
+
+def test_stop_strings_end_the_answer_before_them(client, reference):
+    _, free = _completion_reference(reference, smollm.PROMPTS[2], 16)
+    stop = free.text[6:9]
+    ids = reference.driver.handle.text().encode(smollm.PROMPTS[2])
+    ref = reference.generate_batch([GenerateRequest(ids, 16, Sampler.greedy(), [stop])])[0]
+    r = client.completions.create(model=MODEL_NAME, prompt=smollm.PROMPTS[2], max_tokens=16, temperature=0,
+                                  stop=stop)
+    assert ref.stop_reason == "stop" and stop not in ref.text
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_the_engines_draw(client, reference):
+    """OpenAI's defaults (top-p 1, no top-k, no min-p) with a seed: the engine's own seeded draw."""
+    sampler = Sampler(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    _, ref = _chat_reference(reference, CHATS[0], 10, sampler=sampler)
+    answers = [client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=10, temperature=0.9,
+                                              seed=7).choices[0].message.content for _ in range(2)]
+    assert answers == [ref.text, ref.text]
+
+
+def test_tokenize_and_detokenize_are_the_models_tokenizer(server, reference):
+    text = reference.driver.handle.text()
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "prompt": smollm.PROMPTS[1]}).json()
+    assert r["tokens"] == text.encode(smollm.PROMPTS[1]) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CTX
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == text.decode(r["tokens"])
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHATS[1]}).json()
+    assert chat["tokens"] == _chat_reference_ids(text, CHATS[1])
+
+
+def _chat_reference_ids(text, messages):
+    return text.encode_chat(text.render_chat_value(messages))
+
+
+def test_embeddings_equal_the_sentence_encoder(client, server):
+    from poot_core import SentenceEncoder
+
+    encoder = SentenceEncoder.load(minilm_path(), "cpu", rows=8)
+    expected = encoder.embed(EMBED_TEXTS)
+    r = client.embeddings.create(model=minilm_path().name, input=EMBED_TEXTS)
+    got = np.array([d.embedding for d in r.data], dtype=np.float32)
+    assert np.allclose(got, expected, atol=1e-6, rtol=0)
+    tokens = sum(len(e.ids) for e in encoder.tokenizer.encode_batch(EMBED_TEXTS))
+    assert r.usage.prompt_tokens == tokens
+    raw = httpx.post(f"{server.base}/embeddings", json={"model": minilm_path().name, "input": EMBED_TEXTS[0],
+                                                        "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, got[0])
+
+
+def test_rerank_equals_the_cross_encoder(server, cross_encoder):
+    from poot_core import CrossEncoder
+
+    expected = CrossEncoder.load(cross_encoder, "cpu", rows=8).rerank(QUERY, DOCS)
+    r = httpx.post(f"{server.base}/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 3}, timeout=60).json()
+    assert [x["index"] for x in r["results"]] == [i for i, _ in expected[:3]]
+    assert np.allclose([x["relevance_score"] for x in r["results"]], [s for _, s in expected[:3]], atol=1e-5)
+    assert r["results"][0]["document"]["text"] == DOCS[expected[0][0]]
+
+
+def test_errors_in_openai_shape(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=CHATS[0], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+    long_prompt = " ".join(["word"] * (CTX + 10))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=4)
+    n = len(httpx.post(f"{server.url}/tokenize", json={"prompt": long_prompt}).json()["tokens"])
+    assert f"maximum context length is {CTX} tokens" in e.value.body["message"]
+    assert f"{n} in the prompt" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # fits alone, not with max_tokens: both numbers named
+        client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=CTX)
+    assert f"{CTX} in the completion" in e.value.body["message"]
+    for field, value in (("presence_penalty", 0.5), ("logprobs", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=2, **{field: value})
+        assert e.value.body["param"] == field
+    r = httpx.post(f"{server.base}/chat/completions", content=b"{not json", headers={"content-type":
+                                                                                      "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(f"{server.base}/no/such/route")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_metrics_count_what_was_served(client, server, reference):
+    m = server.metrics()
+    for name in ("poot:num_requests_running", "poot:num_requests_waiting", "poot:kv_cache_usage_perc",
+                 "poot:prefix_cache_queries_total", "poot:prefix_cache_hits_total", "poot:prompt_tokens_total",
+                 "poot:generation_tokens_total", "poot:time_to_first_token_seconds_bucket",
+                 "poot:inter_token_latency_seconds_bucket", "poot:e2e_request_latency_seconds_bucket",
+                 "poot:request_queue_time_seconds_bucket"):
+        assert any(k.startswith(name) for k in m), name
+    before = (server.metric("poot:prompt_tokens_total"), server.metric("poot:generation_tokens_total"),
+              server.metric("poot:time_to_first_token_seconds_count"),
+              server.metric("poot:inter_token_latency_seconds_count"))
+    ids, ref = _completion_reference(reference, smollm.PROMPTS[0], 5)
+    client.completions.create(model=MODEL_NAME, prompt=smollm.PROMPTS[0], max_tokens=5, temperature=0)
+    after = (server.metric("poot:prompt_tokens_total"), server.metric("poot:generation_tokens_total"),
+             server.metric("poot:time_to_first_token_seconds_count"),
+             server.metric("poot:inter_token_latency_seconds_count"))
+    assert after[0] - before[0] == len(ids) and after[1] - before[1] == len(ref.tokens)
+    pieces = len(ref.tokens) - (ref.stop_reason == "eos")  # an end-of-sequence token is counted, not shown
+    assert after[2] - before[2] == 1 and after[3] - before[3] == pieces - 1
+    assert server.metric("poot:num_requests_running") == 0
+    assert server.metric("poot:kv_cache_usage_perc") == 0.0
