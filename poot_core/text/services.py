@@ -82,6 +82,7 @@ class TextServices:
         Returns a RenderedChat: .text, .stops (turn-end markers), .segments."""
         from poot_core.text.chat import compile_template
 
+        _refuse_images(messages)
         source = template or self.vocab.chat_template
         if not source:
             raise TemplateError("this model ships no chat template; pass one (--chat-template-file)")
@@ -105,3 +106,17 @@ class TextServices:
         if v.add_bos and v.bos_id is not None and (not ids or ids[0] != v.bos_id):
             ids = [v.bos_id, *ids]
         return ids
+
+
+IMAGE_KEYS = ("image", "url", "path")  # an image part with one of these carries an image, not a placeholder
+
+
+def _refuse_images(messages: Any) -> None:
+    """An image in a message is a typed refusal before any work: the text path renders text only (vision
+    models take their images through their family's runtime, which passes bare {"type": "image"} placeholders)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" or (kind == "image" and any(k in part for k in IMAGE_KEYS)):
+                raise RequestError("a chat message holds an image, and this model reads text only")

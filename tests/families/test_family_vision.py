@@ -149,3 +149,14 @@ def test_bad_images_are_request_errors(checkpoint, tmp_path):
             vlm.pixel_values([bad])
     with pytest.raises(RequestError):  # image tokens without as many features
         vlm.logits(_prompt(2), IMAGES[:1])
+
+
+def test_image_to_a_text_only_model_is_a_request_error(tmp_path):
+    handle = ModelHandle.load(tiny.build(tmp_path / "llama", "llama"))
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "image", "image": "photo.png"}):
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+        with pytest.raises(RequestError, match="reads text only"):
+            handle.text().render_chat_value(messages)
+    with pytest.raises(RequestError, match="takes no images"):
+        VisionLanguageModel(handle)
