@@ -17,7 +17,8 @@ DEFAULT_PROMPT = "Describe this image."
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="describe an image with a vision-language model")
-    p.add_argument("-m", "--model", required=True, help="a vision-language checkpoint directory (SmolVLM, Idefics3)")
+    p.add_argument("-m", "--model", required=True,
+                   help="a vision-language checkpoint directory (SmolVLM, Idefics3; required)")
     p.add_argument("image", help="the image: a file path or a data: URL")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="what to ask about the image")
     p.add_argument("-n", "--n-predict", dest="n", type=int, default=64, help="tokens to generate at most")

@@ -1,4 +1,4 @@
-"""`poot`: one command with subcommands (generate, perplexity, embed, serve, plugins, manifest).
+"""`poot`: one command with subcommands (generate, perplexity, embed, serve, caption, plugins, manifest).
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`.
 Errors poot raises on purpose print as one line on stderr with exit 1; anything else is one line too, with
@@ -18,7 +18,7 @@ from poot_core.cli.args import Parser, version
 from poot_core.cli.interrupt import exit_130, on_interrupt
 from poot_core.errors import PootError
 
-COMMANDS = ("generate", "perplexity", "embed", "serve", "plugins", "manifest")
+COMMANDS = ("generate", "perplexity", "embed", "serve", "caption", "plugins", "manifest")
 
 
 def build_parser() -> argparse.ArgumentParser:
