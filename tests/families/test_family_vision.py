@@ -160,3 +160,26 @@ def test_image_to_a_text_only_model_is_a_request_error(tmp_path):
             handle.text().render_chat_value(messages)
     with pytest.raises(RequestError, match="takes no images"):
         VisionLanguageModel(handle)
+
+
+def test_bf16_checkpoint_logits(tmp_path):
+    """bf16 weights stay bf16: within 1e-4 of transformers' float32 forward over the same (bf16) weights and
+    within 2e-2 of its bf16 forward."""
+    cfg, cls = vision.configs("idefics3")
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    tiny._randomize(model, seed=3)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny.save_tokenizer(tmp_path)
+    vision.processor().save_pretrained(tmp_path)
+    vlm = VisionLanguageModel.load(tmp_path)
+    assert vlm.weights["model.connector.modality_projection.proj.weight"].dtype == torch.bfloat16
+    tokens = _prompt(2)
+    ours = vlm.logits(tokens, IMAGES)
+    pixels = torch.from_numpy(_reference_pixels(IMAGES))[None]
+    wide = cls.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = wide(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0]
+        ref16 = model(input_ids=torch.tensor([tokens]), pixel_values=pixels.bfloat16()).logits[0].float()
+    assert tiny.rel_error(ours, ref) <= 1e-4
+    assert tiny.rel_error(ours, ref16) <= 2e-2
