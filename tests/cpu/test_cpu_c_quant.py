@@ -4,7 +4,6 @@ for bit; products must match the float64 product of those weights on fresh rando
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 
 import numpy as np
@@ -12,39 +11,21 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from helpers.c_builds import BUILDS, library
+from helpers.gguf_blocks import QUANTIZABLE, quantized_blocks, random_blocks
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels
 from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS, NATIVE_16, dense16_tiles, embed_rows, tile_rows
 
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
 
-QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # gguf's Python side can quantize these
-# Byte offsets of the float16 fields inside each block (ggml's block structs); every other byte is random.
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_XS": [0]}
-PORTABLE = tuple("-march=x86-64" if f == "-march=native" else f for f in c_kernels.FLAGS)
-BUILDS = {"native": c_kernels.FLAGS, "portable": PORTABLE}
-_libs: dict[str, ctypes.CDLL] = {}
-
-
-def library(build: str) -> ctypes.CDLL:
-    if build not in _libs:
-        _libs[build] = c_kernels.load(c_kernels.build(flags=BUILDS[build]))
-    return _libs[build]
-
 
 def blocks_of(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """uint8 [rows, bytes per row]: quantized normal data where gguf can quantize the type, else random bytes
     with random finite float16 scales (both shapes of input the kernels meet)."""
-    rng = np.random.default_rng(seed)
     if type_name in QUANTIZABLE and seed % 2 == 0:
-        return quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType[type_name])
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    n = rows * cols // block
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for at in F16_FIELDS[type_name]:
-        raw[:, at : at + 2] = rng.uniform(-0.1, 0.1, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return raw.reshape(rows, -1)
+        return quantized_blocks(type_name, rows, cols, seed)
+    return random_blocks(type_name, rows, cols, seed)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -132,3 +113,30 @@ def test_embedding_rows_are_the_dequantized_rows(type_name: str) -> None:
         embed_rows(table, torch.tensor([2, 50]))
     with pytest.raises(IndexError):
         embed_rows(table, torch.tensor([-1]))
+
+
+@pytest.mark.parametrize("activations", ["exact", "q8"])
+@pytest.mark.parametrize("type_name", list(C_TYPES))
+def test_serving_rows_are_decode_rows(type_name: str, activations: str) -> None:
+    """A batched step's product of many rows (up to fusion.ROWWISE_MAX, through csrc/rows.c) gives each row
+    the bits a decode step of that row alone gives it, whatever the other rows: so a request's tokens do not
+    depend on the batch around it. Enough output rows for several cache chunks."""
+    from poot_core.cpu.fusion import ROWWISE_MAX
+    from poot_core.cpu.packed_linear import few_rows_product
+
+    if c_kernels.kernels() is None:
+        pytest.skip("the executor does not use the C kernels on this machine")
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    rows, cols = 301, 4 * block
+    blocks = blocks_of(type_name, rows, cols, seed=0)
+    meta = {"type": type_name} | ({"cpu_activations": "q8"} if activations == "q8" else {})
+    weight = PackedWeight("gguf", (rows, cols), {"blocks": torch.from_numpy(blocks)}, meta)
+    many, few = few_rows_product(weight, ROWWISE_MAX), few_rows_product(weight)
+    assert many is not None and few is not None
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((ROWWISE_MAX, cols)).astype(np.float32))
+    lone = torch.cat([few(x[i : i + 1]) for i in range(ROWWISE_MAX)])  # each row as a decode step of one
+    for m in (FUSED_MAX_ROWS + 1, 13, ROWWISE_MAX):
+        y = many(x[:m])
+        assert y is not None and y.shape == (m, rows)
+        assert torch.equal(y, lone[:m])
+    assert many(x[:1].expand(ROWWISE_MAX + 1, cols)) is None  # beyond the limit: the caller's tiles

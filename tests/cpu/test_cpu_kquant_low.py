@@ -22,6 +22,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from helpers import gguf_models as tiny_models
 from helpers import tiny
+from helpers.c_builds import BUILDS, library
+from helpers.gguf_blocks import F16_FIELDS  # byte offsets of each block's float16 fields
 from poot_core import Driver, DriverOptions, ModelHandle, open_executor
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels
@@ -30,17 +32,6 @@ from poot_core.cpu import packed_linear as pl
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
 
 TYPES = ["Q2_K", "Q3_K", "IQ4_XS"]
-# Byte offsets of each block's float16 fields (ggml's block_q2_K: d, dmin; block_q3_K: d; block_iq4_xs: d).
-F16_FIELDS = {"Q2_K": [80, 82], "Q3_K": [108], "IQ4_XS": [0]}
-PORTABLE = tuple("-march=x86-64" if f == "-march=native" else f for f in c_kernels.FLAGS)
-BUILDS = {"native": c_kernels.FLAGS, "portable": PORTABLE}
-_libs: dict[str, ctypes.CDLL] = {}
-
-
-def library(build: str) -> ctypes.CDLL:
-    if build not in _libs:
-        _libs[build] = c_kernels.load(c_kernels.build(flags=BUILDS[build]))
-    return _libs[build]
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
