@@ -1,10 +1,13 @@
 """Faults `poot serve` must survive, bounded in count and time, on 127.0.0.1: malformed bodies (hypothesis),
-a flood past --max-queued, and clients that disconnect mid-stream."""
+a flood past --max-queued, clients that disconnect mid-stream, and SIGTERM under load (requests that finish
+within --drain end normally, the rest get an error event; none hangs, and the process exits)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 
 import httpx
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 from helpers.server import MODEL_NAME
 
 MAX_RUNNING, MAX_QUEUED = 8, 12
+SHORT, LONG = 6, 1000  # tokens: well within the 8 s drain even on a loaded machine; far beyond it
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 json_values = st.recursive(
@@ -39,7 +43,7 @@ SMALL_BAD_N = st.one_of(st.integers(max_value=0), st.integers(min_value=17), st.
 
 @pytest.fixture(scope="module")
 def server(serve):
-    return serve("--max-running", str(MAX_RUNNING), "--max-queued", str(MAX_QUEUED))
+    return serve("--max-running", str(MAX_RUNNING), "--max-queued", str(MAX_QUEUED), "--drain", "8", "-c", "1024")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def _mutated(base: dict, fields: list[str]) -> st.SearchStrategy:
 
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "bot", 3]),
                                  "content": json_values}, optional={"name": json_values, "tool_calls": json_values})
-FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FEW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @FEW
@@ -99,7 +103,7 @@ def test_mutated_completion_bodies(http, body):
     _check(http.post("/v1/completions", json=body))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize",
                              "/detokenize"]),
        raw=st.one_of(st.binary(max_size=40), json_values.map(lambda v: json.dumps(v).encode())))
@@ -181,3 +185,49 @@ def test_hostile_json_is_a_400(http, raw):
     r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == ERROR_KEYS
+
+
+def _stream(url: str, max_tokens: int, got_first: threading.Event, out: list) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Tell me about the sea.", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    got_first.set()
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc!r}")
+    got_first.set()
+    out.append((max_tokens, events))
+
+
+def test_sigterm_drains_then_exits(server):
+    """Last in this module: it stops the module's server."""
+    _wait_idle(server)
+    results: list = []
+    threads, firsts = [], []
+    for max_tokens in (SHORT, SHORT, LONG, LONG):
+        first = threading.Event()
+        t = threading.Thread(target=_stream, args=(server.url, max_tokens, first, results))
+        t.start()
+        threads.append(t)
+        firsts.append(first)
+    for first in firsts:
+        assert first.wait(120)
+    time.sleep(0.2)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a stream hung after SIGTERM"
+    assert server.proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=5)
+    for max_tokens, events in results:
+        if max_tokens == SHORT:  # finished within the drain: a whole answer
+            assert events[-1] == "[DONE]", events
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        else:  # cut at the end of the drain: an error event, no silent end
+            last = json.loads(events[-1])
+            assert last["error"]["code"] == "server_stopping", events[-3:]

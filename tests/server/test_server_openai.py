@@ -18,11 +18,12 @@ from helpers.encoders import DOCS, QUERY, build_cross_encoder, minilm_path
 from helpers.server import CTX, MODEL_NAME
 from poot_core import GenerateRequest, Sampler
 
-MAX_NEW = 12
+MAX_NEW = 8
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}],
 ]
+COMPLETION_PROMPTS = [*smollm.PROMPTS, [1, 504, 3458, 282]]
 EMBED_TEXTS = ["a small domestic cat", "the stock market fell sharply today", "cat"]
 
 
@@ -43,17 +44,31 @@ def client(server):
     return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
 
 
-def _chat_reference(engine, messages, max_new=MAX_NEW, stops=(), sampler=None):
+def _chat_request(engine, messages, max_new=MAX_NEW, stops=(), sampler=None):
     text = engine.driver.handle.text()
     rendered = text.render_chat_value(messages)
     ids = text.encode_chat(rendered)
-    request = GenerateRequest(ids, max_new, sampler or Sampler.greedy(), [*stops, *rendered.stops])
-    return ids, engine.generate_batch([request])[0]
+    return GenerateRequest(ids, max_new, sampler or Sampler.greedy(), [*stops, *rendered.stops])
 
 
-def _completion_reference(engine, prompt, max_new=MAX_NEW):
+def _completion_request(engine, prompt, max_new=MAX_NEW, stops=()):
     ids = prompt if isinstance(prompt, list) else engine.driver.handle.text().encode(prompt)
-    return ids, engine.generate_batch([GenerateRequest(list(ids), max_new)])[0]
+    return GenerateRequest(list(ids), max_new, Sampler.greedy(), list(stops))
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    """The offline engine's answers to every request these tests send, run as one batch (batched = solo); keyed
+    by a name; each value is (prompt ids, Generation)."""
+    requests = {f"chat{i}": _chat_request(reference, m) for i, m in enumerate(CHATS)}
+    requests |= {f"text{i}": _completion_request(reference, p) for i, p in enumerate(COMPLETION_PROMPTS)}
+    requests |= {f"short{i}": _completion_request(reference, p, 6) for i, p in enumerate(smollm.PROMPTS[:2])}
+    requests["free"] = _completion_request(reference, smollm.PROMPTS[2], 16)
+    requests["seeded"] = _chat_request(reference, CHATS[0], 10,
+                                       sampler=Sampler(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    names = list(requests)
+    generations = reference.generate_batch([requests[n] for n in names])
+    return {n: (requests[n].prompt, g) for n, g in zip(names, generations, strict=True)}
 
 
 REASON = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -67,8 +82,8 @@ def test_models_lists_the_served_name_and_window(client):
 
 
 @pytest.mark.parametrize("which", range(len(CHATS)))
-def test_greedy_chat_equals_the_engine(client, reference, which):
-    ids, ref = _chat_reference(reference, CHATS[which])
+def test_greedy_chat_equals_the_engine(client, expected, which):
+    ids, ref = expected[f"chat{which}"]
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHATS[which], max_tokens=MAX_NEW, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].message.role == "assistant"
@@ -77,25 +92,25 @@ def test_greedy_chat_equals_the_engine(client, reference, which):
     assert r.usage.total_tokens == len(ids) + len(ref.tokens)
 
 
-def test_greedy_completions_equal_the_engine(client, reference):
-    for prompt in [*smollm.PROMPTS, [1, 504, 3458, 282]]:
-        ids, ref = _completion_reference(reference, prompt)
+def test_greedy_completions_equal_the_engine(client, expected):
+    for i, prompt in enumerate(COMPLETION_PROMPTS):
+        ids, ref = expected[f"text{i}"]
         r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
         assert r.choices[0].text == ref.text, prompt
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(ref.tokens))
 
 
-def test_a_list_of_prompts_and_n_choices(client, reference):
+def test_a_list_of_prompts_and_n_choices(client, expected):
     prompts = smollm.PROMPTS[:2]
     r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
-    refs = [_completion_reference(reference, p, 6) for p in prompts]
+    refs = [expected[f"short{i}"] for i in range(2)]
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [refs[0][1].text] * 2 + [refs[1][1].text] * 2
     assert r.usage.prompt_tokens == sum(len(ids) for ids, _ in refs)
     assert r.usage.completion_tokens == 2 * sum(len(g.tokens) for _, g in refs)
 
 
-def test_async_clients_at_once_equal_the_engine(server, reference):
+def test_async_clients_at_once_equal_the_engine(server, expected):
     """Requests that share the engine's steps answer what each gives alone."""
     async def run():
         async with openai.AsyncOpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120) as c:
@@ -106,15 +121,15 @@ def test_async_clients_at_once_equal_the_engine(server, reference):
             return await asyncio.gather(*chats, *texts)
 
     results = asyncio.run(run())
-    expected = [_chat_reference(reference, m)[1].text for m in CHATS]
-    expected += [_completion_reference(reference, p)[1].text for p in smollm.PROMPTS]
+    want = [expected[f"chat{i}"][1].text for i in range(len(CHATS))]
+    want += [expected[f"text{i}"][1].text for i in range(len(smollm.PROMPTS))]
     got = [r.choices[0].message.content for r in results[: len(CHATS)]]
     got += [r.choices[0].text for r in results[len(CHATS) :]]
-    assert got == expected
+    assert got == want
 
 
-def test_streamed_chat_with_usage(client, reference):
-    ids, ref = _chat_reference(reference, CHATS[0])
+def test_streamed_chat_with_usage(client, expected):
+    ids, ref = expected["chat0"]
     stream = client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=MAX_NEW, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -127,8 +142,8 @@ def test_streamed_chat_with_usage(client, reference):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), len(ref.tokens))
 
 
-def test_streamed_completion_ends_with_done(server, reference):
-    _, ref = _completion_reference(reference, smollm.PROMPTS[0])
+def test_streamed_completion_ends_with_done(server, expected):
+    _, ref = expected["text0"]
     body = {"model": MODEL_NAME, "prompt": smollm.PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", f"{server.base}/completions", json=body, timeout=120) as r:
@@ -140,21 +155,19 @@ def test_streamed_completion_ends_with_done(server, reference):
     assert all("usage" not in c for c in chunks)  # no include_usage: no usage chunk
 
 
-def test_stop_strings_end_the_answer_before_them(client, reference):
-    _, free = _completion_reference(reference, smollm.PROMPTS[2], 16)
+def test_stop_strings_end_the_answer_before_them(client, reference, expected):
+    _, free = expected["free"]
     stop = free.text[6:9]
-    ids = reference.driver.handle.text().encode(smollm.PROMPTS[2])
-    ref = reference.generate_batch([GenerateRequest(ids, 16, Sampler.greedy(), [stop])])[0]
+    ref = reference.generate_batch([_completion_request(reference, smollm.PROMPTS[2], 16, [stop])])[0]
     r = client.completions.create(model=MODEL_NAME, prompt=smollm.PROMPTS[2], max_tokens=16, temperature=0,
                                   stop=stop)
     assert ref.stop_reason == "stop" and stop not in ref.text
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_is_the_engines_draw(client, reference):
+def test_seeded_sampling_is_the_engines_draw(client, expected):
     """OpenAI's defaults (top-p 1, no top-k, no min-p) with a seed: the engine's own seeded draw."""
-    sampler = Sampler(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=7)
-    _, ref = _chat_reference(reference, CHATS[0], 10, sampler=sampler)
+    _, ref = expected["seeded"]
     answers = [client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], max_tokens=10, temperature=0.9,
                                               seed=7).choices[0].message.content for _ in range(2)]
     assert answers == [ref.text, ref.text]
@@ -225,7 +238,7 @@ def test_errors_in_openai_shape(client, server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-def test_metrics_count_what_was_served(client, server, reference):
+def test_metrics_count_what_was_served(client, server, expected):
     m = server.metrics()
     for name in ("poot:num_requests_running", "poot:num_requests_waiting", "poot:kv_cache_usage_perc",
                  "poot:prefix_cache_queries_total", "poot:prefix_cache_hits_total", "poot:prompt_tokens_total",
@@ -236,8 +249,8 @@ def test_metrics_count_what_was_served(client, server, reference):
     before = (server.metric("poot:prompt_tokens_total"), server.metric("poot:generation_tokens_total"),
               server.metric("poot:time_to_first_token_seconds_count"),
               server.metric("poot:inter_token_latency_seconds_count"))
-    ids, ref = _completion_reference(reference, smollm.PROMPTS[0], 5)
-    client.completions.create(model=MODEL_NAME, prompt=smollm.PROMPTS[0], max_tokens=5, temperature=0)
+    ids, ref = expected["short0"]
+    client.completions.create(model=MODEL_NAME, prompt=smollm.PROMPTS[0], max_tokens=6, temperature=0)
     after = (server.metric("poot:prompt_tokens_total"), server.metric("poot:generation_tokens_total"),
              server.metric("poot:time_to_first_token_seconds_count"),
              server.metric("poot:inter_token_latency_seconds_count"))
