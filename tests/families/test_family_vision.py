@@ -49,7 +49,7 @@ def _reference_pixels(images: list[Image.Image]) -> np.ndarray:
 def test_pixel_values_equal_the_processor(checkpoint):
     path, _ = checkpoint
     settings = ImageSettings.from_dir(path, IMAGE_SIZE)
-    ours = np.stack([pixel_values(load_image(i), settings) for i in IMAGES])
+    ours = np.concatenate([pixel_values(load_image(i), settings) for i in IMAGES])
     ref = _reference_pixels(IMAGES)
     assert ours.shape == ref.shape
     assert np.array_equal(ours, ref)
@@ -105,9 +105,9 @@ def test_text_only_prompt_through_the_family(checkpoint):
     assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def chat_checkpoint(tmp_path_factory):
-    return vision.chat_checkpoint(tmp_path_factory.mktemp("chat"))
+@pytest.fixture(scope="module", params=[False, True], ids=["whole", "split"])
+def chat_checkpoint(request, tmp_path_factory):
+    return vision.chat_checkpoint(tmp_path_factory.mktemp("chat"), split=request.param)
 
 
 def test_chat_with_images_matches_the_processor(chat_checkpoint, tmp_path):
@@ -131,6 +131,8 @@ def test_chat_with_images_matches_the_processor(chat_checkpoint, tmp_path):
     text = processor.apply_chat_template(plain, add_generation_prompt=True)
     ref = processor(text=text, images=[[IMAGES[0], IMAGES[1]]], return_tensors="pt")
     assert tokens == ref["input_ids"][0].tolist()
+    frames = ref["pixel_values"].shape[1]
+    assert frames == (8 if processor.image_processor.do_image_splitting else 2)  # 2x2 and 2x1 tiles + globals
     assert np.array_equal(vlm.pixel_values(images), ref["pixel_values"][0].numpy())
     ids, _ = vlm.chat(messages, max_new=6)
     ids_t = ref["input_ids"]

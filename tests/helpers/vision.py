@@ -47,8 +47,8 @@ def configs(arch: str, vocab: int = 256) -> tuple[Any, type]:
     return cfg, tf.Idefics3ForConditionalGeneration
 
 
-def processor() -> tf.Idefics3ImageProcessorPil:
-    return tf.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 2 * IMAGE_SIZE},
+def processor(split: bool = False) -> tf.Idefics3ImageProcessorPil:
+    return tf.Idefics3ImageProcessorPil(do_image_splitting=split, size={"longest_edge": 2 * IMAGE_SIZE},
                                         max_image_size={"longest_edge": IMAGE_SIZE})
 
 
@@ -62,7 +62,7 @@ SMOLVLM_TEMPLATE = (
 )
 
 
-def chat_checkpoint(path: Path) -> tuple[Path, Any, Any]:
+def chat_checkpoint(path: Path, split: bool = False) -> tuple[Path, Any, Any]:
     """A tiny Idefics3 whose tokenizer has the processor's image tokens and SmolVLM's chat template."""
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tiny.train_tokenizer(), bos_token="<|bos|>",
                                       eos_token="<|eos|>", chat_template=SMOLVLM_TEMPLATE)
@@ -75,8 +75,8 @@ def chat_checkpoint(path: Path) -> tuple[Path, Any, Any]:
     tiny._randomize(model, seed=5)
     model.save_pretrained(path)
     fast.save_pretrained(path)
-    processor().save_pretrained(path)
-    full = tf.Idefics3Processor(image_processor=processor(), tokenizer=fast, image_seq_len=TOKENS_PER_IMAGE,
+    processor(split).save_pretrained(path)
+    full = tf.Idefics3Processor(image_processor=processor(split), tokenizer=fast, image_seq_len=TOKENS_PER_IMAGE,
                                 chat_template=SMOLVLM_TEMPLATE)
     return path, model, full
 

@@ -3,8 +3,10 @@
 Content parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:..." or a
 path}} (or "image_url": "..."), {"type": "image", "image": path | data URL | PIL image}. Image parts become
 {"type": "image"} for the chat template, which writes `<image>` for each; every `<image>` the template wrote is
-then expanded as the processor does without image splitting:
-`<fake_token_around_image><global-img>` + `<image>` x tokens per image + `<fake_token_around_image>`.
+then expanded as the processor does: an image not split is
+`<fake_token_around_image><global-img>` + `<image>` x tokens per image + `<fake_token_around_image>`; a split
+one has each tile as `<fake_token_around_image><row_R_col_C>` + image tokens, a line break after each row of
+tiles, then a line break and the global image as above.
 """
 
 from __future__ import annotations
@@ -57,13 +59,25 @@ def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return out, images
 
 
-def expand_images(rendered: Any, images: int, tokens_per_image: int) -> Any:
-    """The rendered chat with each `<image>` the template wrote expanded; the count must be the images'."""
+def image_text(grid: tuple[int, int], tokens_per_image: int) -> str:
+    """Idefics3Processor's replacement of one `<image>` for an image of (rows, cols) tiles ((0, 0): not split)."""
+    rows, cols = grid
+    whole = AROUND + GLOBAL + IMAGE * tokens_per_image + AROUND
+    if rows == cols == 0:
+        return whole
+    tiles = "".join("".join(f"{AROUND}<row_{r + 1}_col_{c + 1}>" + IMAGE * tokens_per_image for c in range(cols))
+                    + "\n" for r in range(rows))
+    return tiles + "\n" + whole
+
+
+def expand_images(rendered: Any, grids: list[tuple[int, int]], tokens_per_image: int) -> Any:
+    """The rendered chat with each `<image>` the template wrote expanded, in order; one per image."""
     written = sum(piece.count(IMAGE) for piece, from_message in rendered.segments if not from_message)
-    if written != images:
-        raise RequestError(f"the chat template wrote {written} image placeholders for {images} images "
+    if written != len(grids):
+        raise RequestError(f"the chat template wrote {written} image placeholders for {len(grids)} images "
                            "(does this model's template take image parts?)")
-    expansion = AROUND + GLOBAL + IMAGE * tokens_per_image + AROUND
-    segments = tuple((piece if from_message else piece.replace(IMAGE, expansion), from_message)
+    texts = iter(image_text(g, tokens_per_image) for g in grids)
+    segments = tuple((piece if from_message else "".join(p + (next(texts) if i < piece.count(IMAGE) else "")
+                                                          for i, p in enumerate(piece.split(IMAGE))), from_message)
                      for piece, from_message in rendered.segments)
     return replace(rendered, text="".join(p for p, _ in segments), segments=segments)

@@ -1,9 +1,9 @@
-"""Image input as transformers' Idefics3 image processor (the Pillow one) computes it, without splitting:
-decode (Pillow, RGB), resize the longest edge to size.longest_edge (Lanczos, the shorter edge rounded up to
-an even length), resize to the square max_image_size, rescale by 1/255, normalize by mean and std.
-
-Image splitting (tiles plus a global image, SmolVLM's default) is not done yet: a preprocessor config that
-asks for it is refused by name."""
+"""Image input as transformers' Idefics3 image processor (the Pillow one) computes it: decode (Pillow, RGB),
+resize the longest edge to size.longest_edge (Lanczos, the shorter edge rounded up to an even length); then,
+with image splitting (the processor's default), resize both sides up to multiples of max_image_size and cut
+that into max_image_size tiles, row by row, followed by the whole image resized to the square (the global
+image); without splitting, or when the image fits one tile, the square alone. Each frame is rescaled by 1/255
+and normalized by mean and std."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import base64
 import binascii
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,22 +31,20 @@ class ImageSettings:
     rescale: float = 1 / 255
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    split: bool = True
 
     @classmethod
     def from_dir(cls, path: str | Path, image_size: int) -> ImageSettings:
         """preprocessor_config.json of a checkpoint directory; absent, the tower's own size."""
         file = Path(path) / "preprocessor_config.json"
         raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
-        if raw.get("do_image_splitting", False):
-            raise Unsupported(Reason.OPERATION, "image splitting (do_image_splitting)",
-                              "poot preprocesses whole images only so far; save the processor with "
-                              "do_image_splitting=False")
         square = int((raw.get("max_image_size") or {}).get("longest_edge", image_size))
         if square != image_size:
             raise Unsupported(Reason.SHAPE, f"max_image_size {square}", f"the vision tower takes {image_size}")
         longest = int((raw.get("size") or {}).get("longest_edge", square))
         return cls(longest_edge=longest, square=square, rescale=float(raw.get("rescale_factor", 1 / 255)),
-                   mean=tuple(raw.get("image_mean", (0.5,) * 3)), std=tuple(raw.get("image_std", (0.5,) * 3)))
+                   mean=tuple(raw.get("image_mean", (0.5,) * 3)), std=tuple(raw.get("image_std", (0.5,) * 3)),
+                   split=bool(raw.get("do_image_splitting", True)))
 
 
 def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:
@@ -88,16 +87,48 @@ def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]
     return height, width
 
 
-def pixel_values(image: Image.Image, settings: ImageSettings) -> np.ndarray:
-    """float32 [3, S, S] as the processor's pixel_values for one image."""
-    h, w = _longest_edge_size(image.height, image.width, settings.longest_edge)
-    image = image.resize((w, h), Image.Resampling.LANCZOS)
-    image = image.resize((settings.square, settings.square), Image.Resampling.LANCZOS)
+def _normalized(image: Image.Image | np.ndarray, settings: ImageSettings) -> np.ndarray:
     # transformers rescales in float64 and rounds to float32 once, then normalizes in float32
     x = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * settings.rescale).astype(np.float32)
     mean = np.asarray(settings.mean, dtype=np.float32)[:, None, None]
     std = np.asarray(settings.std, dtype=np.float32)[:, None, None]
     return ((x - mean) / std).astype(np.float32)
+
+
+def _multiples(height: int, width: int, side: int) -> tuple[int, int]:
+    """transformers' resize_for_vision_encoder: both sides up to multiples of `side`, the aspect kept first."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / side) * side
+        height = math.ceil(int(width / aspect) / side) * side
+    else:
+        height = math.ceil(height / side) * side
+        width = math.ceil(int(height * aspect) / side) * side
+    return height, width
+
+
+def frames(image: Image.Image, settings: ImageSettings) -> tuple[list[np.ndarray], tuple[int, int]]:
+    """The processor's frames of one image, float32 [3, S, S] each, and its (rows, cols) of tiles ((0, 0):
+    not split)."""
+    h, w = _longest_edge_size(image.height, image.width, settings.longest_edge)
+    image = image.resize((w, h), Image.Resampling.LANCZOS)
+    S = settings.square
+    if settings.split:
+        h, w = _multiples(h, w, S)
+        image = image.resize((w, h), Image.Resampling.LANCZOS)
+        if h > S or w > S:
+            rows, cols = (h - S) // S + 1, (w - S) // S + 1
+            array = np.asarray(image)
+            tiles = [array[r * S : (r + 1) * S, c * S : (c + 1) * S] for r in range(rows) for c in range(cols)]
+            whole = image.resize((S, S), Image.Resampling.LANCZOS)
+            return [_normalized(t, settings) for t in tiles] + [_normalized(whole, settings)], (rows, cols)
+        return [_normalized(image, settings)], (0, 0)  # one tile: already S x S
+    return [_normalized(image.resize((S, S), Image.Resampling.LANCZOS), settings)], (0, 0)
+
+
+def pixel_values(image: Image.Image, settings: ImageSettings) -> np.ndarray:
+    """float32 [frames, 3, S, S] as the processor's pixel_values for one image."""
+    return np.stack(frames(image, settings)[0])
 
 
 def patches(pixels: np.ndarray, patch: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, op
 from poot_family_vision.config import VisionLanguageParams
 from poot_family_vision.messages import expand_images, split_images
 from poot_family_vision.model import shuffle_index, trace_text, trace_vision, vision_shape
-from poot_family_vision.preprocess import ImageSettings, load_image, patches, pixel_values
+from poot_family_vision.preprocess import ImageSettings, frames, load_image, patches
 
 
 class VisionLanguageModel:
@@ -43,9 +43,14 @@ class VisionLanguageModel:
         return self.executor.prepare(t.graph, self.weights), t.graph
 
     # --- images ---------------------------------------------------------------------------------------
+    def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """float32 [frames, 3, S, S] of all the images in order, as transformers' processor computes them, and
+        each image's (rows, cols) of tiles."""
+        done = [frames(load_image(i), self.images) for i in images]  # type: ignore[arg-type]
+        return np.concatenate([np.stack(f) for f, _ in done]), [g for _, g in done]
+
     def pixel_values(self, images: Sequence[object]) -> np.ndarray:
-        """float32 [N, 3, S, S], as transformers' processor computes them (without image splitting)."""
-        return np.stack([pixel_values(load_image(i), self.images) for i in images])  # type: ignore[arg-type]
+        return self.frames(images)[0]
 
     def encode_images(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the tower's last hidden state [N, P, Dv], the image features [N, tokens per image, Dt])."""
@@ -97,7 +102,8 @@ class VisionLanguageModel:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
         plain, images = split_images(messages)
         text = self.handle.text()
-        rendered = expand_images(text.render_chat_value(plain), len(images), self.params.vision.tokens_per_image)
+        grids = [frames(i, self.images)[1] for i in images]
+        rendered = expand_images(text.render_chat_value(plain), grids, self.params.vision.tokens_per_image)
         return text.encode_chat(rendered), images
 
     def chat(self, messages: list[dict[str, Any]], max_new: int = 32) -> tuple[list[int], str]:
