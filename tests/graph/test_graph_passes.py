@@ -71,7 +71,8 @@ def test_every_backend_handles_only_vocabulary_ops():
     pytest.importorskip("triton")
     from poot_kernels_triton.executor import TRITON_OPS
 
-    assert TRITON_OPS == frozenset(OPS) - passes.HYBRID_OPS - passes.VISION_OPS  # refused by name until their kernels come
+    # refused by name until their kernels come
+    assert TRITON_OPS == frozenset(OPS) - passes.HYBRID_OPS - passes.VISION_OPS
 
 
 def test_dispatch_refuses_an_op_without_a_handler_by_name():
