@@ -203,18 +203,19 @@ static inline __attribute__((always_inline)) __m256i group_codes_v(const int t, 
    dx: their scales per 32; dxs: d times the sum of each 16 q. y[r * n] gets row r's result. */
 static inline __attribute__((always_inline)) void q8_rows(const int t, const int m, const uint8_t *row, int64_t nb,
                                                           const int8_t *qx, const float *dx, const float *dxs,
-                                                          int64_t k, float *y, int64_t n) {
+                                                          const float *dxs32, int64_t k, float *y, int64_t n) {
     const int G = a_groups(t);
     const int64_t size = A_BYTES[t];
     float macc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     scales_t sc;
 #if POOT_AVX2
-    __m256 acc[4];
-    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[4], macc8[4];
+    for (int r = 0; r < m; r++) acc[r] = macc8[r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
 #else
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int8_t c[32];
+    (void)dxs32;
 #endif
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * size;
@@ -241,15 +242,37 @@ static inline __attribute__((always_inline)) void q8_rows(const int t, const int
                 const int32_t isum = a_sub16(t) ? sc.s[2 * g] * i0 + sc.s[2 * g + 1] * i1 : i0 + i1;
                 acc[r] += (float)isum * (sc.D[g] * dx[r * (k / 32) + gi]);
 #endif
+#if POOT_AVX2
+                /* 32-value blocks: one scalar term; the 256-value ones take theirs per block, below */
+                if (a_has_min(t) && G == 1) macc[r] += sc.M[0] * dxs32[r * (k / 32) + gi];
+#else
                 if (a_has_min(t)) {
                     const float *s = dxs + r * (k / 16) + 2 * gi;
                     macc[r] += sc.M[g] * ((float)sc.n[2 * g] * s[0] + (float)sc.n[2 * g + 1] * s[1]);
                 }
+#endif
             }
         }
+#if POOT_AVX2
+        if (a_has_min(t) && G == 8) {
+            for (int r = 0; r < m; r++) {
+                if (a_sub16(t)) { /* Q2_K: a minimum per 16 values, times -dmin */
+                    const float *s = dxs + r * (k / 16) + b * 16;
+                    const __m256 md = _mm256_set1_ps(sc.M[0]);
+                    const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)sc.n)));
+                    const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(sc.n + 8))));
+                    macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n0), _mm256_loadu_ps(s), macc8[r]);
+                    macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n1), _mm256_loadu_ps(s + 8), macc8[r]);
+                } else { /* Q4_K, Q5_K: a minimum per 32 values */
+                    macc8[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc.M), _mm256_loadu_ps(dxs32 + r * (k / 32) + b * 8),
+                                               macc8[r]);
+                }
+            }
+        }
+#endif
     }
 #if POOT_AVX2
-    for (int r = 0; r < m; r++) y[r * n] = hsum8(acc[r]) + macc[r];
+    for (int r = 0; r < m; r++) y[r * n] = hsum8(_mm256_add_ps(acc[r], macc8[r])) + macc[r];
 #else
     for (int r = 0; r < m; r++) y[r * n] = acc[r] + macc[r];
 #endif
@@ -258,14 +281,14 @@ static inline __attribute__((always_inline)) void q8_rows(const int t, const int
 #define POOT_Q8ROWS(T)                                                             \
     case T:                                                                        \
         switch (m) {                                                               \
-        case 1: q8_rows(T, 1, row, nb, qx, dx, dxs, k, y, n); return;              \
-        case 2: q8_rows(T, 2, row, nb, qx, dx, dxs, k, y, n); return;              \
-        case 3: q8_rows(T, 3, row, nb, qx, dx, dxs, k, y, n); return;              \
-        default: q8_rows(T, 4, row, nb, qx, dx, dxs, k, y, n); return;             \
+        case 1: q8_rows(T, 1, row, nb, qx, dx, dxs, dxs32, k, y, n); return;       \
+        case 2: q8_rows(T, 2, row, nb, qx, dx, dxs, dxs32, k, y, n); return;       \
+        case 3: q8_rows(T, 3, row, nb, qx, dx, dxs, dxs32, k, y, n); return;       \
+        default: q8_rows(T, 4, row, nb, qx, dx, dxs, dxs32, k, y, n); return;      \
         }
 
 static void q8_row(int t, int m, const uint8_t *row, int64_t nb, const int8_t *qx, const float *dx,
-                   const float *dxs, int64_t k, float *y, int64_t n) {
+                   const float *dxs, const float *dxs32, int64_t k, float *y, int64_t n) {
     switch (t) {
     POOT_Q8ROWS(A_Q4_0) POOT_Q8ROWS(A_Q4_1) POOT_Q8ROWS(A_Q8_0) POOT_Q8ROWS(A_Q5_0) POOT_Q8ROWS(A_Q5_1)
     POOT_Q8ROWS(A_IQ4_NL) POOT_Q8ROWS(A_Q4_K) POOT_Q8ROWS(A_Q5_K) POOT_Q8ROWS(A_Q6_K) POOT_Q8ROWS(A_IQ4_XS)
@@ -300,17 +323,18 @@ void poot_gemv_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int6
                   float *y, int threads) {
     const int64_t k = nb * (type >= A_Q4_K ? 256 : 32);
     int8_t *qx = malloc((size_t)(m * k));
-    float *dx = malloc(sizeof(float) * (size_t)(m * k / 32 + m * k / 16));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * (m * k / 32) + m * k / 16));
     if (!qx || !dx) {
         free(qx);
         free(dx);
         for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
         return;
     }
-    float *dxs = dx + m * k / 32;
+    float *dxs = dx + m * k / 32, *dxs32 = dxs + m * k / 16;
     poot_quantize_q8(x, m, k, qx, dx, dxs);
+    for (int64_t i = 0; i < m * k / 32; i++) dxs32[i] = dxs[2 * i] + dxs[2 * i + 1];  /* d times the sum of 32 */
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; o++) q8_row(type, (int)m, w + o * row_bytes, nb, qx, dx, dxs, k, y + o, n);
+    for (int64_t o = 0; o < n; o++) q8_row(type, (int)m, w + o * row_bytes, nb, qx, dx, dxs, dxs32, k, y + o, n);
     free(qx);
     free(dx);
 }
