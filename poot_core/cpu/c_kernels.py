@@ -64,6 +64,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "poot_silu_mul": ([_p, _i64, _p, _i64, _i64, _i64, _p, _i32], None),
     # gather.c: rows by index through one of the dequant functions above (its address first)
     "poot_gather_rows": ([_p, _i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
+    # rows.c: a decode product over any number of rows (its gemv by address first)
+    "poot_gemv_rows": ([_p, _i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _i32], None),
     # features.c
     "poot_features": ([], _i32),
 }

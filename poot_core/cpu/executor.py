@@ -180,7 +180,7 @@ class _Binder:
 
     def __init__(self, weights: dict[str, Weight], rowwise: bool = False) -> None:
         self.weights = weights
-        self.rowwise = rowwise  # serving steps: see fusion.by_few_rows
+        self.rowwise = rowwise  # serving steps: decode products up to fusion.ROWWISE_MAX rows
         self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, "cpu")
 
     def get(self, ref: Ref | None) -> Any:
@@ -249,9 +249,8 @@ class _Binder:
                 return y if bias is None else y + bias
 
             return linear16
-        product = few_rows_product(weight) if isinstance(weight, PackedWeight) and bias_ref is None else None
-        if product is not None and self.rowwise:
-            product = fusion.by_few_rows(product)
+        rows = fusion.ROWWISE_MAX if self.rowwise else FEW_ROWS
+        product = few_rows_product(weight, rows) if isinstance(weight, PackedWeight) and bias_ref is None else None
         if product is not None:  # decode: the C kernel with its plan made once
 
             def packed(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:

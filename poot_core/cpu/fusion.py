@@ -86,16 +86,15 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
                ) -> Callable[[dict[str, Any], dict[str, torch.Tensor]], torch.Tensor]:
     """The step function of `runner` (the group's first node in program order): one product for the whole
     group; it leaves the other members' outputs in the environment and returns its own. rowwise: packed
-    products of up to ROWWISE_MAX rows run as decode products of a few rows each (see by_few_rows)."""
+    products of up to ROWWISE_MAX rows run as decode products (packed_linear.few_rows_product)."""
     parts = [weights[n.inputs[1].name] for n in nodes]
     joined = _joined_weight(parts)
     sizes = [p.shape[0] for p in parts]
     outputs = [n.output for n in nodes]
     half = isinstance(joined, torch.Tensor) and joined.dtype in HALF
     key = f"{runner.inputs[0]}:{joined.dtype}" if isinstance(joined, torch.Tensor) else ""
-    product = few_rows_product(joined) if isinstance(joined, PackedWeight) else None
-    if product is not None and rowwise:
-        product = by_few_rows(product)
+    product = few_rows_product(joined, ROWWISE_MAX if rowwise else FEW_ROWS) if isinstance(joined, PackedWeight) \
+        else None
 
     def run(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
         if half:
@@ -122,23 +121,7 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
     return run
 
 
-# Serving steps of up to this many rows take the decode kernel a few rows at a time: for them it costs less than
-# dequantizing the matrix into tiles, and each row's arithmetic is then a decode row's, whatever shares its step.
+# Serving steps of up to this many rows take the decode kernel (packed_linear.few_rows_product): for them it
+# costs less than dequantizing the matrix into tiles, and each row's arithmetic is a decode row's, whatever
+# shares its step.
 ROWWISE_MAX = 32
-
-
-def by_few_rows(product: Callable[[torch.Tensor], torch.Tensor | None]
-                ) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """A few-rows product (None beyond FEW_ROWS rows) extended to ROWWISE_MAX rows, FEW_ROWS at a time."""
-
-    def run(x: torch.Tensor) -> torch.Tensor | None:
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if rows <= FEW_ROWS or rows > ROWWISE_MAX:
-            return product(x)
-        parts = [product(flat[i : i + FEW_ROWS]) for i in range(0, rows, FEW_ROWS)]
-        if any(p is None for p in parts):
-            return None
-        return torch.cat(parts).reshape(*x.shape[:-1], -1)  # type: ignore[arg-type]
-
-    return run

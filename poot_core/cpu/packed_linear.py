@@ -58,6 +58,10 @@ class CKernel:
     type_id: int
     gemv: str
     dequant: str
+    # Where its one-row decode route sums in another order than its routes for 2-4 rows (more accumulators for
+    # one row, or a one-row shortcut), a serving step gives each row a call of its own, so that a row's result
+    # is a lone decode row's whatever shares the step: "always", "avx512f" (only in builds with AVX-512), "".
+    one_row_route: str = ""
 
 
 # The registration point: one entry per GGUF block type with a C kernel (block sizes from gguf_blocks).
@@ -68,12 +72,12 @@ C_TYPES: dict[str, CKernel] = {
     "Q5_0": CKernel(6, "poot_gemv", "poot_dequant"),
     "Q5_1": CKernel(7, "poot_gemv", "poot_dequant"),
     "IQ4_NL": CKernel(8, "poot_gemv", "poot_dequant"),
-    "Q4_K": CKernel(3, "poot_gemv_k", "poot_dequant_k"),
-    "Q5_K": CKernel(4, "poot_gemv_k", "poot_dequant_k"),
-    "Q6_K": CKernel(5, "poot_gemv_k", "poot_dequant_k"),
-    "Q2_K": CKernel(0, "poot_gemv_kl", "poot_dequant_kl"),
-    "Q3_K": CKernel(1, "poot_gemv_kl", "poot_dequant_kl"),
-    "IQ4_XS": CKernel(2, "poot_gemv_kl", "poot_dequant_kl"),
+    "Q4_K": CKernel(3, "poot_gemv_k", "poot_dequant_k", "avx512f"),
+    "Q5_K": CKernel(4, "poot_gemv_k", "poot_dequant_k", "avx512f"),
+    "Q6_K": CKernel(5, "poot_gemv_k", "poot_dequant_k", "avx512f"),
+    "Q2_K": CKernel(0, "poot_gemv_kl", "poot_dequant_kl", "always"),
+    "Q3_K": CKernel(1, "poot_gemv_kl", "poot_dequant_kl", "always"),
+    "IQ4_XS": CKernel(2, "poot_gemv_kl", "poot_dequant_kl", "always"),
 }
 
 
@@ -100,12 +104,23 @@ class _Plan:
     blocks_per_row: int
     in_features: int
     gemv_type: int  # the type id gemv takes (type_id for the exact kernels, a Q8_TYPES id for poot_gemv_q8)
+    rows: Callable[..., None]  # csrc/rows.c's poot_gemv_rows: gemv over any number of rows, `few` a call
+    gemv_address: int
+    few: int  # rows per gemv call in poot_gemv_rows: FUSED_MAX_ROWS, or 1 (see CKernel.one_row_route)
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat: float32 [m, in] contiguous, m <= FUSED_MAX_ROWS."""
-        y = torch.empty(flat.shape[0], self.out_features)
-        self.gemv(self.gemv_type, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
-                  flat.data_ptr(), flat.shape[0], y.data_ptr(), torch.get_num_threads())
+        """flat: float32 [m, in] contiguous. Beyond FUSED_MAX_ROWS rows (a batched serving step) the decode kernel
+        meets them `few` at a time over cache-sized chunks of W (csrc/rows.c), so W is read from memory once and
+        each row's result is the one a decode step of that row alone gives."""
+        m = flat.shape[0]
+        y = torch.empty(m, self.out_features)
+        if m <= FUSED_MAX_ROWS:
+            self.gemv(self.gemv_type, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
+                      flat.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
+        else:
+            self.rows(self.gemv_address, self.gemv_type, self.address, self.row_bytes, self.out_features,
+                      self.blocks_per_row, flat.data_ptr(), m, self.in_features, self.few, y.data_ptr(),
+                      torch.get_num_threads())
         return y
 
     def tiles(self, flat: torch.Tensor) -> torch.Tensor:
@@ -137,9 +152,17 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
                                                                                      kind.type_id)
         plan = _Plan(gemv, dequant, ctypes.cast(dequant, ctypes.c_void_p).value or 0,
                      kind.type_id, blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements,
-                     w.shape[1], gemv_type)
+                     w.shape[1], gemv_type, lib.poot_gemv_rows, ctypes.cast(gemv, ctypes.c_void_p).value or 0,
+                     1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS)
         _plans[w] = plan
     return plan
+
+
+def _own_row_calls(kind: CKernel, lib: ctypes.CDLL) -> bool:
+    """Whether this build's kernel for the type sums a lone row in another order than rows in groups."""
+    from poot_core.cpu.c_kernels import features
+
+    return kind.one_row_route == "always" or (kind.one_row_route != "" and kind.one_row_route in features(lib))
 
 
 def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
@@ -147,10 +170,13 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
     return plan.few_rows(flat.contiguous()) if flat.shape[0] <= FUSED_MAX_ROWS else plan.tiles(flat)
 
 
-def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+def few_rows_product(w: PackedWeight, max_rows: int = FUSED_MAX_ROWS
+                     ) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
     """For a weight the C kernel reads, a function of float32 x [..., in] giving x @ W^T with the per-call
     lookups and checks of packed_linear done once, here (they cost more than a small decode product). It
-    returns None for more than FUSED_MAX_ROWS rows, and the caller uses packed_linear."""
+    returns None for more than max_rows rows, and the caller uses packed_linear. A serving step passes more
+    than FUSED_MAX_ROWS (fusion.ROWWISE_MAX): its rows then get the decode kernel's arithmetic, whatever else
+    shares the step."""
     if not uses_c_kernel(w):
         return None
     lib = kernels()
@@ -159,7 +185,7 @@ def few_rows_product(w: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor |
 
     def product(x: torch.Tensor) -> torch.Tensor | None:
         flat = x.reshape(-1, plan.in_features)
-        if flat.shape[0] > FUSED_MAX_ROWS or flat.dtype != torch.float32:
+        if flat.shape[0] > max_rows or flat.dtype != torch.float32:
             return None
         return plan.few_rows(flat.contiguous()).reshape(*x.shape[:-1], plan.out_features)
 

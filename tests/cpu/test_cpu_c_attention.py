@@ -259,7 +259,7 @@ def test_paged_decode_gives_the_contiguous_bits(heads, kv_heads, dk, dv, block, 
     scale = 1 / math.sqrt(dk)
     out = attend_paged(q, k, v, positions, seqs, tables, k_pool, v_pool, scale, window, softcap)
     assert out is not None
-    for s, m in enumerate(new):
+    for s in range(len(new)):
         at = (seqs == s).nonzero().flatten()
         pos = positions[at][None]
         want = attend_few(q[at][None], k[at][None], v[at][None], pos, k_flat[s : s + 1], v_flat[s : s + 1],
