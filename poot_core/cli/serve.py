@@ -88,7 +88,7 @@ def _loader(args: argparse.Namespace) -> Any:
 
         executor = runtime.open_device(args)
         runtime.Threads(args.threads, args.threads_batch).for_decode()
-        handle = ModelHandle.load(args.model)
+        handle = ModelHandle.load(args.model, options=runtime.load_options(args))
         config = handle.config()
         if config.kind == "encoder":
             raise RequestError(f"{args.model} is an encoder model: serve it with --embedding-model")
