@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,21 +30,30 @@ from helpers.triton_mode import interpreted  # noqa: E402
 
 torch.set_num_threads(1)  # test workers run side by side (pytest -n 2): one thread each avoids oversubscription
 
-_BUILT: dict[tuple[str, str], Path] = {}
+_BUILT: dict[tuple[str, str, str], Path] = {}
+Build = Callable[[Path, str, torch.dtype], Path]
+
+
+def _built(factory: pytest.TempPathFactory, build: Build, arch: str, dtype: torch.dtype) -> Path:
+    """The checkpoint `build` saves for (arch, dtype), built at its first request in this session."""
+    key = (build.__module__, arch, str(dtype))
+    if key not in _BUILT:
+        _BUILT[key] = build(factory.mktemp(f"{arch}-{str(dtype).removeprefix('torch.')}"), arch, dtype)
+    return _BUILT[key]
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """tiny_checkpoint(arch, dtype) -> path of a saved random checkpoint (built once per session)."""
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_checkpoint(arch, dtype) -> path of a saved random dense checkpoint (helpers.tiny)."""
+    return lambda arch, dtype=torch.float32: _built(tmp_path_factory, tiny.build, arch, dtype)
 
-    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
-        key = (arch, str(dtype))
-        if key not in _BUILT:
-            path = tmp_path_factory.mktemp(f"{arch}-{str(dtype).removeprefix('torch.')}")
-            _BUILT[key] = tiny.build(path, arch, dtype)
-        return _BUILT[key]
 
-    return make
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """moe_checkpoint(arch, dtype) -> path of a saved random mixture-of-experts checkpoint (helpers.moe)."""
+    from helpers import moe  # imports transformers: only for the tests that ask
+
+    return lambda arch, dtype=torch.float32: _built(tmp_path_factory, moe.build, arch, dtype)
 
 
 def pytest_configure(config: pytest.Config) -> None:

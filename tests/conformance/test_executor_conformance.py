@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import encoders, moe
+from helpers import encoders
+from helpers.graphs import trace
 from helpers.triton_mode import interpreted
 from poot_core import (
     CrossEncoder,
@@ -33,7 +33,6 @@ from poot_core import (
     ModelHandle,
     RequestError,
     StepShape,
-    Tracer,
     open_executor,
 )
 
@@ -62,7 +61,7 @@ class Profile:
     moe: dict[str, Parity] = field(default_factory=dict)
     moe_prompt: list[int] = field(default_factory=list)
     cross_encoder: dict[str, float] = field(default_factory=dict)  # arch -> relative Frobenius bound
-    protocol: tuple[str, torch.dtype] | None = None  # family and dtype for the greedy / output-lifetime checks
+    protocol: tuple[tuple[str, torch.dtype], ...] = ()  # (family, dtype) pairs for the greedy / output-lifetime checks
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -98,7 +97,7 @@ def _vulkan_present() -> bool:
 
 
 def _profiles() -> dict[str, Profile]:
-    profiles = {"cpu": Profile(lambda: open_executor("cpu"), _prompt(7, 40), protocol=("llama", torch.float32))}
+    profiles = {"cpu": Profile(lambda: open_executor("cpu"), _prompt(7, 40), protocol=(("llama", torch.float32),))}
     interpreted_parity = Parity(((12, 5), (6, 1)), 1e-3, capacity=48)  # prefill chunks, then one-token steps
     if interpreted():
         profiles["triton"] = Profile(
@@ -108,7 +107,7 @@ def _profiles() -> dict[str, Profile]:
             moe={a: Parity(((14, 5), (5, 1)), 1e-3, capacity=32) for a in MOE},
             moe_prompt=MOE_PROMPT,
             cross_encoder={"bert": 1e-4, "xlm-roberta": 1e-4},
-            protocol=("llama", torch.float32),
+            protocol=(("llama", torch.float32),),
         )
         rocm = {"gfx942": ("llama", "gemma3"), "gfx90a": ("qwen3",), "gfx1100": ("llama", "mistral")}
         for arch, families in rocm.items():
@@ -125,7 +124,7 @@ def _profiles() -> dict[str, Profile]:
             moe=dict.fromkeys(("mixtral", "qwen3_moe", "deepseek_v3"), Parity(((14, 5), (14, 1)), 1e-2, 32, None, 1)),
             moe_prompt=MOE_PROMPT,
             cross_encoder={"bert": 1e-2},
-            protocol=("llama", torch.bfloat16),
+            protocol=(("llama", torch.bfloat16),),
         )
     if _vulkan_present():
         vulkan_prompt = _prompt(7, 40)
@@ -138,7 +137,7 @@ def _profiles() -> dict[str, Profile]:
             bf16={a: Parity(((40, 16),), 3e-2) for a in ("llama", "gemma3")},
             moe={a: Parity(((10, 4),), 1e-3, generate=(10, 4)) for a in ("mixtral", "qwen2_moe", "qwen3_moe")},
             moe_prompt=vulkan_prompt,
-            protocol=("qwen3", torch.float32),
+            protocol=(("qwen3", torch.float32), ("llama", torch.float32)),
         )
     return profiles
 
@@ -174,24 +173,6 @@ def check_parity(handle: ModelHandle, backend: str, prompt: list[int], parity: P
         assert got.tokens == want.tokens
 
 
-def graph(handle: ModelHandle, shape: StepShape):
-    tracer = Tracer(shape, handle.store().shapes())
-    handle.family.trace(handle.config(), tracer, shape)
-    return tracer.graph
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def make(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = moe.build(tmp_path_factory.mktemp(arch), arch, torch.float32)
-        return made[arch]
-
-    return make
-
-
 # -- numbers against the CPU ------------------------------------------------------------------------------------
 
 
@@ -212,7 +193,7 @@ def test_bf16_logits_match_cpu(tiny_checkpoint, backend, arch):
 def test_moe_and_latent_attention_match_cpu(moe_checkpoint, backend, arch):
     """Routing, grouped and fused experts, shared experts, DeepSeek's latent attention."""
     handle = ModelHandle.load(moe_checkpoint(arch))
-    ops = {n.op for n in graph(handle, StepShape(1, 1, 32)).nodes}
+    ops = {n.op for n in trace(handle, StepShape(1, 1, 32)).nodes}
     assert "moe" in ops and (("mla_attention" in ops) == arch.startswith("deepseek"))
     check_parity(handle, backend, PROFILES[backend].moe_prompt, PROFILES[backend].moe[arch])
 
@@ -230,13 +211,18 @@ def test_cross_encoder_matches_cpu(tmp_path, backend, arch):
 # -- the executor protocol --------------------------------------------------------------------------------------
 
 PROTOCOL = [b for b, p in PROFILES.items() if p.protocol]
-# prefill (all logits), the same program again, two one-token steps (replayed where the backend records steps),
-# a shorter prefill with all logits
-STEPS = ((0, 8, True), (8, 16, True), (16, 17, False), (17, 18, False), (18, 22, True))
+# (start, end, all_logits): a prefill that returns its last position's logits only (what generate runs), a prefill
+# with all logits, the same program again, two one-token steps (replayed where the backend records steps), a
+# shorter prefill with all logits
+STEPS = ((0, 8, False), (8, 14, True), (14, 20, True), (20, 21, False), (21, 22, False), (22, 24, True))
 
 
-def _steps(tiny_checkpoint, backend: str):
-    arch, dtype = PROFILES[backend].protocol
+def protocol_cases(backends: list[str]) -> list[Any]:
+    return [pytest.param(b, arch, dtype, id=f"{b}-{arch}-{str(dtype).removeprefix('torch.')}")
+            for b in backends for arch, dtype in PROFILES[b].protocol]
+
+
+def _steps(tiny_checkpoint, backend: str, arch: str, dtype: torch.dtype):
     handle = ModelHandle.load(tiny_checkpoint(arch, dtype))
     ex = executor(backend)
     driver = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=8))
@@ -247,16 +233,17 @@ def _steps(tiny_checkpoint, backend: str):
         yield ex, out
 
 
-@pytest.mark.parametrize("backend", [b for b in PROTOCOL if b != "cpu"])  # greedy_token is optional: the CPU has none
-def test_greedy_token_is_the_argmax_of_the_logits(tiny_checkpoint, backend):
-    for ex, out in _steps(tiny_checkpoint, backend):
+# greedy_token is optional: the CPU has none
+@pytest.mark.parametrize("backend,arch,dtype", protocol_cases([b for b in PROTOCOL if b != "cpu"]))
+def test_greedy_token_is_the_argmax_of_the_logits(tiny_checkpoint, backend, arch, dtype):
+    for ex, out in _steps(tiny_checkpoint, backend, arch, dtype):
         assert ex.greedy_token(out) == int(np.argmax(ex.to_numpy(out)[0, -1]))
 
 
-@pytest.mark.parametrize("backend", PROTOCOL)
-def test_an_output_survives_the_next_steps(tiny_checkpoint, backend):
+@pytest.mark.parametrize("backend,arch,dtype", protocol_cases(PROTOCOL))
+def test_an_output_survives_the_next_steps(tiny_checkpoint, backend, arch, dtype):
     kept = []
-    for ex, out in _steps(tiny_checkpoint, backend):
+    for ex, out in _steps(tiny_checkpoint, backend, arch, dtype):
         kept.append((out, ex.to_numpy(out).copy()))
     assert all(np.array_equal(ex.to_numpy(out), copy) for out, copy in kept)
 
@@ -265,7 +252,7 @@ def test_an_output_survives_the_next_steps(tiny_checkpoint, backend):
 def test_positions_outside_the_cache_are_a_request_error(tiny_checkpoint, backend):
     """poot_core's check_positions, before anything runs, on every backend."""
     handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    step = graph(handle, StepShape(1, 1, 16))
+    step = trace(handle, StepShape(1, 1, 16))
     ex = executor(backend)
     program = ex.prepare(step, ex.upload(handle.store()))
     state = ex.allocate_state(step)

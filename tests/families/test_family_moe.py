@@ -11,26 +11,12 @@ import torch
 import transformers as tf
 
 from helpers import tiny
-from helpers.moe import EXPERTS, GGUF_ARCHS, build, write_gguf
+from helpers.moe import EXPERTS, GGUF_ARCHS, write_gguf
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
 from poot_core.cpu import moe as cpu_moe
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # longer than prefill_chunk (16) and mixtral's window (8)
-
-_BUILT: dict[tuple[str, str], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
-        key = (arch, str(dtype))
-        if key not in _BUILT:
-            _BUILT[key] = build(tmp_path_factory.mktemp(f"{arch}-{str(dtype)[6:]}"), arch, dtype)
-        return _BUILT[key]
-
-    return make
-
 
 def _driver(path: Path) -> Driver:
     return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
@@ -38,17 +24,17 @@ def _driver(path: Path) -> Driver:
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers(checkpoint, arch, dtype, bound):
-    path = checkpoint(arch, dtype)
+def test_logits_match_transformers(moe_checkpoint, arch, dtype, bound):
+    path = moe_checkpoint(arch, dtype)
     ours = _driver(path).logits(PROMPT)
     ref = tiny.reference_logits(path, PROMPT)
     assert ours.shape == tuple(ref.shape)
     assert tiny.rel_error(ours, ref) <= bound
 
 
-def test_deepseek_v3_with_yarn_rope_matches_transformers(checkpoint):
+def test_deepseek_v3_with_yarn_rope_matches_transformers(moe_checkpoint):
     """float32 only: in bf16 a near-tie between two experts' router scores can flip one token's choice."""
-    path = checkpoint("deepseek_v3_yarn", torch.float32)
+    path = moe_checkpoint("deepseek_v3_yarn", torch.float32)
     assert tiny.rel_error(_driver(path).logits(PROMPT), tiny.reference_logits(path, PROMPT)) <= 1e-4
 
 
@@ -66,13 +52,13 @@ def _reference_greedy(path: Path, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tokens_match_transformers(checkpoint, arch):
-    path = checkpoint(arch)
+def test_greedy_tokens_match_transformers(moe_checkpoint, arch):
+    path = moe_checkpoint(arch)
     ours = _driver(path).serve().generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True)).tokens
     assert ours == _reference_greedy(path, 12)
 
 
-def test_routing_runs_only_chosen_experts(checkpoint, monkeypatch):
+def test_routing_runs_only_chosen_experts(moe_checkpoint, monkeypatch):
     """Over the prompt every expert of every sparse layer gets tokens; a decode step runs top_k of them."""
     calls: list[set[int]] = []
     real = cpu_moe.run_experts
@@ -82,7 +68,7 @@ def test_routing_runs_only_chosen_experts(checkpoint, monkeypatch):
         return real(x, ids, weights, experts, act)
 
     monkeypatch.setattr(cpu_moe, "run_experts", spy)
-    driver = _driver(checkpoint("mixtral")).serve()
+    driver = _driver(moe_checkpoint("mixtral")).serve()
     driver.generate(GenerateRequest(PROMPT, max_new=3, ignore_eos=True))
     layers = 3
     prefill, decode = calls[: layers * 3], calls[layers * 3 :]  # 40 prompt tokens: 3 chunks of 16
@@ -91,8 +77,8 @@ def test_routing_runs_only_chosen_experts(checkpoint, monkeypatch):
     assert decode and all(len(hit) == 2 for hit in decode)
 
 
-def test_latent_cache_holds_latent_and_rope_key_only(checkpoint):
-    path = checkpoint("deepseek_v3")
+def test_latent_cache_holds_latent_and_rope_key_only(moe_checkpoint):
+    path = moe_checkpoint("deepseek_v3")
     config = json.loads((path / "config.json").read_text())
     driver = _driver(path)
     driver.logits(PROMPT[:8])
@@ -113,8 +99,8 @@ def test_latent_cache_holds_latent_and_rope_key_only(checkpoint):
     assert 4 * total <= expanded
 
 
-def test_mtp_weights_are_kept_not_traced(checkpoint):
-    path = checkpoint("deepseek_v3")
+def test_mtp_weights_are_kept_not_traced(moe_checkpoint):
+    path = moe_checkpoint("deepseek_v3")
     handle = ModelHandle.load(path)
     mtp = [n for n in handle.store().names() if n.startswith("model.layers.3.")]
     assert "model.layers.3.eh_proj.weight" in mtp
@@ -157,12 +143,12 @@ def test_absorbed_and_expanded_latent_attention_agree():
 
 
 @pytest.fixture(scope="module")
-def gguf_checkpoint(checkpoint, tmp_path_factory):
+def gguf_checkpoint(moe_checkpoint, tmp_path_factory):
     made: dict[str, Path] = {}
 
     def make(arch: str) -> Path:
         if arch not in made:
-            made[arch] = write_gguf(checkpoint(arch), tmp_path_factory.mktemp(f"{arch}-gguf"), arch)
+            made[arch] = write_gguf(moe_checkpoint(arch), tmp_path_factory.mktemp(f"{arch}-gguf"), arch)
         return made[arch]
 
     return make

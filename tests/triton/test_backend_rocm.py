@@ -1,7 +1,7 @@
 """The ROCm backend, checked as far as a machine without an AMD GPU allows. Nothing here runs on AMD hardware.
 
-- The ROCm executor's graph binding runs with the AMD tuning tables (gfx942, gfx90a, gfx1100 tiles) on the
-  CPU through Triton's interpreter, against the CPU executor, on tiny llama-family checkpoints.
+- The ROCm executor's graph binding takes the AMD tuning tables (gfx942, gfx90a, gfx1100 tiles) and launches
+  with them (its logits against the CPU executor under Triton's interpreter: tests/conformance).
 - Every launch that binding makes (float32, bfloat16, GGUF and GPTQ weights; prefill chunks and one-token
   steps) is recorded and compiled ahead of time for gfx942, gfx90a and gfx1100 with triton.compile, in a
   child process (the interpreter, on in this process, turns kernels into functions that cannot compile).
@@ -42,10 +42,6 @@ TARGETS = {"gfx942": 64, "gfx90a": 64, "gfx1100": 32}  # architecture -> wavefro
 PLENTY = {"total": 1 << 40, "free": 1 << 40}
 
 
-def rel(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def interpreted(arch: str) -> RocmExecutor:
     """The ROCm executor for `arch` on the CPU: its tiles, its binding, kernels interpreted, no HIP graphs."""
     ex = RocmExecutor.for_arch(arch, "cpu")
@@ -64,23 +60,14 @@ class Store:
         return self.weights[name]
 
 
-# -- the binding with AMD tiles, interpreted, against the CPU executor --------------------------------------
+# -- the binding with AMD tiles -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "arch,family",
-    [("gfx942", "llama"), ("gfx942", "gemma3"), ("gfx90a", "qwen3"), ("gfx1100", "llama"), ("gfx1100", "mistral")],
-)
-def test_interpreted_binding_with_amd_tiles_matches_cpu(tiny_checkpoint, arch, family):
-    handle = ModelHandle.load(tiny_checkpoint(family, torch.float32))
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_the_binding_takes_the_architectures_hip_tile_table(arch):
+    """Its logits against the CPU executor, with these tiles, are in tests/conformance (rocm-<arch>)."""
     ex = interpreted(arch)
     assert ex.tuning is TUNINGS[ARCHITECTURES[arch].tuning] and ex.tuning.backend == "hip"
-    for prompt, chunk in ((PROMPT[:12], 5), (PROMPT[:6], 1)):  # prefill chunks, then one-token steps
-        opts = DriverOptions(capacity=48, prefill_chunk=chunk)
-        ref = Driver(handle, open_executor("cpu"), opts).logits(prompt)
-        ours = Driver(handle, ex, opts).logits(prompt)
-        assert ours.shape == ref.shape
-        assert rel(ours, ref) <= 1e-3
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
