@@ -5,6 +5,7 @@ copies of the routing rules.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,3 +59,21 @@ def choose_experts(logits: torch.Tensor, bias: torch.Tensor | None,
     if a["norm_topk"]:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * float(a["routed_scale"])
+
+
+def by_expert(ids: torch.Tensor, weights: torch.Tensor,
+              count: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """ids, weights [N, k] (each token's chosen experts) -> (expert, its tokens' indices, their weights) for each
+    of the `count` experts that any token chose, in expert order: each chosen expert then runs once, over all the
+    tokens that chose it. Reads the per-expert counts on the host (one sync on a GPU)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=count).tolist()
+    tokens_sorted = order // k
+    weights_sorted = weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            yield e, tokens_sorted[start : start + c], weights_sorted[start : start + c]
+            start += c

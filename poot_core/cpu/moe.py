@@ -17,7 +17,7 @@ from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
 from poot_core.errors import Reason, Unsupported
 from poot_core.graph import Node, Ref
-from poot_core.moe import Expert, choose_experts, experts_of
+from poot_core.moe import Expert, by_expert, choose_experts, experts_of
 
 
 def _router_logits(x: torch.Tensor, router: Weight) -> torch.Tensor:
@@ -38,23 +38,12 @@ def run_experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[Expert], act: str
 ) -> torch.Tensor:
     """x [N, D]; ids, weights [N, k] -> [N, D]: each chosen expert once, over the tokens that chose it."""
-    n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    tokens_sorted = order // k
-    weights_sorted = weights.reshape(-1)[order]
-    out = torch.zeros(n, x.shape[-1])
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        tok = tokens_sorted[start : start + c]
+    out = torch.zeros(ids.shape[0], x.shape[-1])
+    for e, tok, w in by_expert(ids, weights, len(experts)):
         gate, up, down = experts[e]
         h = x[tok]
         y = ops.linear(ops.gated(ops.linear(h, gate), ops.linear(h, up), act), down)
-        out.index_add_(0, tok, y * weights_sorted[start : start + c, None])
-        start += c
+        out.index_add_(0, tok, y * w[:, None])
     return out
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
+from poot_core.moe import by_expert  # public: the routing every backend shares
 
 from .activation import ACTIVATIONS, _tanh, gated_activation
 from .launch import cdiv, launch
@@ -210,23 +211,12 @@ def run_experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[Expert], act: str
 ) -> torch.Tensor:
     """x [N, D] (activation dtype); ids, weights [N, k] -> float32 [N, D]."""
-    _, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()  # the one host sync
-    tokens_sorted = order // k
-    weights_sorted = weights.reshape(-1)[order]
     out = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        tok = tokens_sorted[start : start + c]
+    for e, tok, w in by_expert(ids, weights, len(experts)):  # the one host sync: the counts per expert
         gate, up, down = experts[e]
         h = x.index_select(0, tok)
         y = linear(gated_activation(linear(h, gate), linear(h, up), kind=act), down, out_dtype=torch.float32)
-        out.index_add_(0, tok, y * weights_sorted[start : start + c, None])
-        start += c
+        out.index_add_(0, tok, y * w[:, None])
     return out
 
 
