@@ -10,7 +10,6 @@ gives logits close to the exact route's, and an unknown value is refused.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import shutil
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from helpers import gguf_models as tiny_models
 from helpers import smollm, tiny
+from helpers.c_builds import BUILDS, library
 from helpers.gguf_blocks import QUANTIZABLE, quantized_blocks, random_blocks
 from poot_core import Driver, DriverOptions, LoadOptions, ModelHandle, open_executor
 from poot_core.checkpoint.layouts import PackedWeight
@@ -29,17 +29,6 @@ from poot_core.cpu import c_kernels
 from poot_core.cpu import packed_linear as pl
 
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
-
-PORTABLE = tuple("-march=x86-64" if f == "-march=native" else f for f in c_kernels.FLAGS)
-BUILDS = {"native": c_kernels.FLAGS, "portable": PORTABLE}
-_libs: dict[str, ctypes.CDLL] = {}
-
-
-def library(build: str) -> ctypes.CDLL:
-    if build not in _libs:
-        _libs[build] = c_kernels.load(c_kernels.build(flags=BUILDS[build]))
-    return _libs[build]
-
 
 def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's 8-bit quantization of float32 x [m, k] per 32 values: int q [m, k], float32 d [m, k / 32]."""
