@@ -47,7 +47,7 @@ from poot_core.executor import (
 from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig, eos_ids
 from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_tensor
 from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
-from poot_core.moe import Expert, choose_experts, expert_view, experts_of
+from poot_core.moe import Expert, by_expert, choose_experts, expert_view, experts_of
 from poot_core.plugins import hookimpl
 from poot_core.registry import Registry
 from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_gguf, rope_from_hf_config
@@ -62,7 +62,8 @@ __all__ = [
     "StepShape", "TemplateError", "Timings", "Tracer", "Unsupported", "Value", "Weight", "WeightStore",
     "hookimpl", "installed_backends", "inverse_frequencies", "rope_attention_factor", "rope_from_hf_config",
     "open_executor",
-    "check_positions", "require_ops", "weight_kind", "Expert", "choose_experts", "expert_view", "experts_of",
+    "check_positions", "require_ops", "weight_kind", "Expert", "by_expert", "choose_experts", "expert_view",
+    "experts_of",
     "CrossEncoder", "SentenceEncoder", "MissingTensor", "Ref", "StateRef", "ValueRef", "WeightRef",
     "AttentionSpec", "attention_block", "gated_mlp", "projection", "Parts", "DerivedWeight", "GGUFTensors",
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from poot_core import Expert, PackedWeight, Weight, choose_experts, experts_of
-from poot_core.moe import by_expert  # public: the routing every backend shares
+from poot_core import Expert, PackedWeight, Weight, by_expert, choose_experts, experts_of
 
 from .activation import ACTIVATIONS, _tanh, gated_activation
 from .launch import cdiv, launch
