@@ -18,8 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from poot_core.errors import RequestError
 from poot_core.server.bridge import Done, Piece, Rejected, Ticket
-from poot_core.server.errors import APIError, error_body
+from poot_core.server.errors import APIError, error_body, from_poot
 from poot_core.server.generation import Plan, chat_plan, completion_plans, finish_reason
 from poot_core.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from poot_core.server.state import ServerState
@@ -110,6 +111,8 @@ async def _collect(ticket: Ticket) -> tuple[str, Done]:
                 raise APIError(500, f"generation failed: {item.event.error}", code="generation_error")
             return "".join(pieces), item
         elif isinstance(item, Rejected):
+            if isinstance(item.error, RequestError):  # the request's own fault (a schema that does not compile)
+                raise from_poot(item.error)
             raise APIError(503, str(item.error), code="not_ready")
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from poot_core.driver.constraints import Constraint, from_response_format
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.sampling import Sampler
+from poot_core.errors import RequestError
 from poot_core.server.errors import APIError
 from poot_core.server.schemas import MAX_STOPS, ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
 from poot_core.text.services import TextServices
@@ -25,11 +27,12 @@ class Plan:
     max_new: int  # -1: to the end of the window
     stops: list[str]
     body: Sampling
+    constraint: Constraint | None = None  # response_format's JSON schema or object (poot_core.driver.constraints)
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
         return [GenerateRequest(list(self.prompt), self.max_new, sampler(self.body, i), list(self.stops),
-                                self.body.ignore_eos) for i in range(n)]
+                                self.body.ignore_eos, constraint=self.constraint) for i in range(n)]
 
 
 def refuse(field: str, why: str) -> APIError:
@@ -94,8 +97,11 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> P
     _common_refusals(body)
     if body.logprobs or body.top_logprobs:
         raise refuse("logprobs", "not supported yet")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise refuse("response_format", f"type {body.response_format.get('type')!r} is not supported yet")
+    try:  # a schema that does not compile is refused when the engine takes the request (also a 400)
+        constraint = from_response_format(body.response_format)
+    except RequestError as err:
+        raise APIError(400, f"response_format: {err}", param="response_format",
+                       code="invalid_response_format") from None
     if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
         raise refuse("tool_choice", "forcing a tool call is not supported; the tools reach the chat template")
     if body.max_tokens is not None and body.max_completion_tokens is not None \
@@ -109,7 +115,7 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> P
     stops = stops_of(body)
     if not body.ignore_eos:
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
-    return Plan(prompt, max_new, stops, body)
+    return Plan(prompt, max_new, stops, body, constraint)
 
 
 def completion_plans(text: TextServices, body: CompletionRequest, window: int) -> list[Plan]:

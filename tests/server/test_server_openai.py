@@ -259,3 +259,27 @@ def test_metrics_count_what_was_served(client, server, expected):
     assert after[2] - before[2] == 1 and after[3] - before[3] == pieces - 1
     assert server.metric("poot:num_requests_running") == 0
     assert server.metric("poot:kv_cache_usage_perc") == 0.0
+
+
+def test_response_format_json_schema_gives_a_reply_that_validates(client):
+    """OpenAI's response_format with a JSON schema: the reply parses and validates (the constraint is the
+    engine's, tests/driver/test_structured.py); a schema that cannot compile is a 400 in the error shape."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+              "required": ["colour"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour as JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    json_object = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": 'Reply with the JSON object {"a": 1}.'}],
+        max_tokens=150, temperature=0, response_format={"type": "json_object"})
+    assert json_object.choices[0].finish_reason == "stop"  # the object was complete before the limit
+    assert isinstance(json.loads(json_object.choices[0].message.content), dict)
+    for bad in ({"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "no-such-type"}}},
+                {"type": "json_schema"}, {"type": "xml"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, response_format=bad)
+        assert err.value.status_code == 400 and err.value.body["message"]
