@@ -220,10 +220,15 @@ def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 3)
     finally:
         dec.use_graph = True
     totals: dict[str, float] = {}
+    launches = 0
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if us:
             totals[ev.key[:80]] = us / steps
+            launches += ev.count
+    # the whole step's kernel time and launch count, beside the names (the graph step minus this is the gaps)
+    totals["_kernels_total_us"] = sum(totals.values())
+    totals["_launches_per_step"] = launches / steps
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
@@ -299,7 +304,7 @@ def poot_run(hf: dict[str, Any], name: str, prompt: int, new: int, prefill: int,
         try:
             prof = kernel_profile(dec, state, step_inputs)
             result["kernel_us_per_step"] = prof
-            log(f"  {name} step by kernel (us): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(prof.items())[:8]))
+            log(f"  {name} step by kernel (us): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(prof.items())[:14]))
         except Exception as exc:  # the profile is a diagnosis, never a reason to lose the run
             result["kernel_profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
     if prefill:
