@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -229,8 +229,12 @@ class ChatTemplate:
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
             raise TemplateError("tools must be a list of JSON schema objects")
         tools = _plain(tools)
-        text = self._render(prepared, tools, add_generation_prompt, bos_token, eos_token, extra)
-        spans, unplaced = self._message_spans(text, prepared, tools, add_generation_prompt, bos_token, eos_token, extra)
+
+        def render_messages(messages: list[dict[str, Any]]) -> str:
+            return self._render(messages, tools, add_generation_prompt, bos_token, eos_token, extra)
+
+        text = render_messages(prepared)
+        spans, unplaced = _message_spans(text, prepared, render_messages)
         key = (bos_token, eos_token)
         if extra:  # the probe depends on the extra variables too; only the common case is kept
             stops = self._stops(bos_token, eos_token, extra)
@@ -270,38 +274,33 @@ class ChatTemplate:
             found.append(eos_token)
         return tuple(found)
 
-    # --- where the message text lies -------------------------------------------------------------------
 
-    def _message_spans(
-        self,
-        text: str,
-        messages: list[dict[str, Any]],
-        tools: Any,
-        add_generation_prompt: bool,
-        bos_token: str | None,
-        eos_token: str | None,
-        extra: dict[str, Any],
-    ) -> tuple[list[tuple[int, int]], list[str]]:
-        """Character spans of `text` that came from messages. First try an exact alignment: render again with
-        every message string replaced by a unique marker and check the real text is that render with the
-        markers filled in. A template that inspects or rewrites content breaks the alignment; then each
-        message's text is searched for in conversation order (a trimmed copy too)."""
-        originals: list[str] = []
+# --- where the message text lies -------------------------------------------------------------------
 
-        def mark(value: str) -> str:
-            originals.append(value)
-            return f"\ue000{len(originals) - 1}\ue001"
 
-        marked = [_map_message_strings(m, mark) for m in messages]
-        try:
-            marked_text = self._render(marked, tools, add_generation_prompt, bos_token, eos_token, extra)
-        except TemplateError:
-            marked_text = None
-        if marked_text is not None:
-            spans = _align(text, marked_text, originals)
-            if spans is not None:  # every message text the template wrote is accounted for
-                return [(s, e) for s, e, _ in spans], []
-        return _search(text, messages)
+def _message_spans(
+    text: str, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """Character spans of `text` that came from messages (`render` renders a conversation as `text` was). First
+    try an exact alignment: render again with every message string replaced by a unique marker and check the
+    real text is that render with the markers filled in. A template that inspects or rewrites content breaks the
+    alignment; then each message's text is searched for in conversation order (a trimmed copy too)."""
+    originals: list[str] = []
+
+    def mark(value: str) -> str:
+        originals.append(value)
+        return f"\ue000{len(originals) - 1}\ue001"
+
+    marked = [_map_message_strings(m, mark) for m in messages]
+    try:
+        marked_text = render(marked)
+    except TemplateError:
+        marked_text = None
+    if marked_text is not None:
+        spans = _align(text, marked_text, originals)
+        if spans is not None:  # every message text the template wrote is accounted for
+            return [(s, e) for s, e, _ in spans], []
+    return _search(text, messages)
 
 
 _MARKER = re.compile("\ue000(\\d+)\ue001")
