@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import tokenizers
@@ -103,6 +103,35 @@ class _EncoderBase:
             for t in _length_buckets(self.max_length):
                 self.driver.prepare_encode(r, t)
 
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        *,
+        registry: Registry | None = None,
+        options: LoadOptions | None = None,
+        max_length: int | None = None,
+    ) -> Self:
+        """Load a checkpoint directory; `executor` is an open executor or a backend choice (None: auto).
+        Texts are truncated to `max_length` tokens (default: see from_handle)."""
+        options = options or LoadOptions()
+        handle = ModelHandle.load(path, registry, options)
+        return cls.from_handle(handle, executor, rows, options, max_length=max_length)
+
+    @classmethod
+    def from_handle(
+        cls,
+        handle: ModelHandle,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        options: LoadOptions | None = None,
+        *,
+        max_length: int | None = None,
+    ) -> Self:
+        raise NotImplementedError
+
     @property
     def executor_name(self) -> str:
         return self.driver.executor.name
@@ -115,6 +144,14 @@ class _EncoderBase:
                 f"this encoder was loaded for at most {self.rows} texts per call; load it with "
                 f"rows >= {n} or send fewer texts",
             )
+
+    def _query_and_docs(self, query: str, docs: Sequence[str]) -> list[str]:
+        """The documents of a (query, docs) call as a list, after checking their types and count."""
+        if not isinstance(query, str):
+            raise RequestError(f"the query must be a string, got {type(query).__name__}")
+        items = _texts(docs, "docs")
+        self._check_count(len(items))
+        return items
 
     def _run(self, encodings: list[tokenizers.Encoding]) -> list[np.ndarray]:
         """Final hidden states [tokens, D] of each encoded text, padding excluded."""
@@ -133,25 +170,6 @@ class SentenceEncoder(_EncoderBase):
         self.pooling = pooling
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        executor: Executor | BackendChoice | str | None = None,
-        rows: int = 8,
-        *,
-        registry: Registry | None = None,
-        options: LoadOptions | None = None,
-        max_length: int | None = None,
-    ) -> SentenceEncoder:
-        """Load a checkpoint directory; `executor` is an open executor or a backend choice (None: auto).
-        Reads modules.json and the pooling module's config.json the way sentence-transformers does.
-        Texts are truncated to `max_length` tokens (default: sentence_bert_config.json's max_seq_length,
-        else the model's positions)."""
-        options = options or LoadOptions()
-        handle = ModelHandle.load(path, registry, options)
-        return cls.from_handle(handle, executor, rows, options, max_length=max_length)
-
-    @classmethod
     def from_handle(
         cls,
         handle: ModelHandle,
@@ -161,7 +179,10 @@ class SentenceEncoder(_EncoderBase):
         *,
         max_length: int | None = None,
     ) -> SentenceEncoder:
-        """The same over a checkpoint already opened (its directory holds the sentence-transformers files)."""
+        """The encoder over a checkpoint already opened (its directory holds the sentence-transformers files):
+        reads modules.json and the pooling module's config.json the way sentence-transformers does (through
+        `options`' manifest). `max_length` defaults to sentence_bert_config.json's max_seq_length, else the
+        model's positions."""
         root = Path(handle.path)
         access = FileAccess(root, (options or LoadOptions()).manifest())
         pooling = _pooling(root, access)
@@ -196,12 +217,9 @@ class SentenceEncoder(_EncoderBase):
 
     def rerank(self, query: str, docs: Sequence[str]) -> list[tuple[int, float]]:
         """(index into docs, cosine with the query), best first; ties keep the documents' order."""
-        if not isinstance(query, str):
-            raise RequestError(f"the query must be a string, got {type(query).__name__}")
-        items = _texts(docs, "docs")
+        items = self._query_and_docs(query, docs)
         if not items:
             return []
-        self._check_count(len(items))
         q = self.embed([query])[0]
         scores = self.embed(items) @ q
         order = sorted(range(len(items)), key=lambda i: -float(scores[i]))
@@ -271,29 +289,17 @@ class CrossEncoder(_EncoderBase):
         super().__init__(handle, executor, rows, max_length)
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        executor: Executor | BackendChoice | str | None = None,
-        rows: int = 8,
-        *,
-        registry: Registry | None = None,
-        options: LoadOptions | None = None,
-        max_length: int | None = None,
-    ) -> CrossEncoder:
-        """Load a sequence-classification checkpoint; pairs are truncated to `max_length` tokens (default:
-        the model's positions)."""
-        return cls.from_handle(ModelHandle.load(path, registry, options), executor, rows, max_length=max_length)
-
-    @classmethod
     def from_handle(
         cls,
         handle: ModelHandle,
         executor: Executor | BackendChoice | str | None = None,
         rows: int = 8,
+        options: LoadOptions | None = None,
         *,
         max_length: int | None = None,
     ) -> CrossEncoder:
+        """The reranker over a checkpoint already opened (it reads no file beyond the handle's, so `options`
+        is unused); pairs are truncated to `max_length` tokens (default: the model's positions)."""
         return cls(handle, _open(executor), rows, max_length or handle.config().max_positions)
 
     @staticmethod
@@ -304,12 +310,9 @@ class CrossEncoder(_EncoderBase):
     def logits(self, query: str, docs: Sequence[str]) -> np.ndarray:
         """float32 [len(docs), labels]: the head's output for each (query, doc) pair, paired as the
         tokenizer pairs them."""
-        if not isinstance(query, str):
-            raise RequestError(f"the query must be a string, got {type(query).__name__}")
-        items = _texts(docs, "docs")
+        items = self._query_and_docs(query, docs)
         if not items:
             return np.zeros((0, self._head[-1][0].shape[0]), dtype=np.float32)
-        self._check_count(len(items))
         states = self._run(self.tokenizer.encode_batch([(query, d) for d in items]))
         x = np.stack([h[0] for h in states]).astype(np.float32)
         for w, b, act in self._head:
