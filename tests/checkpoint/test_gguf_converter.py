@@ -43,7 +43,7 @@ import transformers as tf
 
 from helpers import tiny
 from helpers.moe import moe_config
-from helpers.paths import TESTDATA
+from helpers.paths import TESTDATA, fetched
 from poot_core import (
     Driver,
     DriverOptions,
@@ -54,9 +54,7 @@ from poot_core import (
     weight_kind,
 )
 
-CONVERTER = TESTDATA / "llama.cpp" / "convert"
-pytestmark = pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").is_file(),
-                                reason="llama.cpp's converter not fetched: run scripts/fetch_test_data.py")
+CONVERTER = fetched(TESTDATA / "llama.cpp" / "convert" / "convert_hf_to_gguf.py").parent
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # longer than the chunk (16) and gemma's window (8)
 TOKENIZER_SIZE = 320
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32}

@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 
 from helpers import tiny
-from helpers.paths import TESTDATA
+from helpers.paths import TESTDATA, fetched
 from poot_core import (
     DraftPolicy,
     Driver,
@@ -185,8 +185,7 @@ def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(checkpoint, arch):
 @pytest.fixture(scope="module")
 def converted(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> the f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint."""
-    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
-        pytest.skip("llama.cpp's converter not fetched: run scripts/fetch_test_data.py")
+    fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
     made = {arch: root / f"{arch}.gguf" for arch in GGUF_ARCHS}
     jobs = [{"src": str(checkpoint(arch)), "outtype": "f32", "out": str(out)} for arch, out in made.items()]

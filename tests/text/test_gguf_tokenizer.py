@@ -17,23 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.paths import TESTDATA
+from helpers.paths import TESTDATA, fetched
 from poot_core.errors import CheckpointError, PootError, Reason, Unsupported
 from poot_core.text.gguf_vocab import CONTROL, USER_DEFINED, vocabulary_from_gguf
 
-VOCAB_DIR = TESTDATA / "llama.cpp" / "vocab"
+VOCAB_DIR = fetched(TESTDATA / "llama.cpp" / "vocab")
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # Tokenizer models poot does not build yet; their files must be refused with a typed error.
 NOT_SUPPORTED: dict[str, str] = {}  # vocab name -> tokenizer model name (none left)
 
-needs_data = pytest.mark.skipif(
-    not VOCAB_DIR.is_dir(), reason="test data missing: run scripts/fetch_test_data.py"
-)
-
-
 def _vocab_names() -> list[str]:
-    if not VOCAB_DIR.is_dir():
-        return []
     return sorted(
         p.name[len("ggml-vocab-") : -len(".gguf.inp")] for p in VOCAB_DIR.glob("ggml-vocab-*.gguf.inp")
     )
@@ -90,7 +83,6 @@ def _round_trip_expected(meta: dict[str, Any], text: str) -> bool:
     return True
 
 
-@needs_data
 def test_metadata_reader_agrees_with_gguf() -> None:
     gguf = pytest.importorskip("gguf")
     path = VOCAB_DIR / "ggml-vocab-llama-spm.gguf"
@@ -99,7 +91,6 @@ def test_metadata_reader_agrees_with_gguf() -> None:
     assert gguf_metadata(path) == expected
 
 
-@needs_data
 @pytest.mark.parametrize("name", _vocab_names())
 def test_ids_equal_llama_cpp(name: str) -> None:
     meta = _metadata(name)
@@ -122,7 +113,6 @@ def test_ids_equal_llama_cpp(name: str) -> None:
     assert not not_back, f"{len(not_back)} texts did not decode back, first: {not_back[0]!r}"
 
 
-@needs_data
 @pytest.mark.parametrize("name", ["llama-spm", "gpt-2", "llama-bpe", "qwen2", "phi-3", "bert-bge"])
 def test_special_ids_and_flags_follow_the_metadata(name: str) -> None:
     meta = _metadata(name)
@@ -148,7 +138,6 @@ def test_special_ids_and_flags_follow_the_metadata(name: str) -> None:
     assert vocab.tokenizer.encode("Hello world").ids == plain
 
 
-@needs_data
 def test_llama_bpe_defaults_to_bos_when_the_file_is_silent() -> None:
     meta = _metadata("llama-bpe")
     assert "tokenizer.ggml.add_bos_token" not in meta
@@ -156,7 +145,6 @@ def test_llama_bpe_defaults_to_bos_when_the_file_is_silent() -> None:
     assert not vocabulary_from_gguf(_metadata("gpt-2"), "gpt-2").add_bos
 
 
-@needs_data
 def test_control_tokens_match_whole_only_when_specials_are_parsed() -> None:
     meta = _metadata("qwen2")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -170,7 +158,6 @@ def test_control_tokens_match_whole_only_when_specials_are_parsed() -> None:
     assert tokenizer.decode(as_text, skip_special_tokens=False) == text
 
 
-@needs_data
 def test_user_defined_tokens_match_whole_even_as_text() -> None:
     for name in _vocab_names():
         meta = _metadata(name)
