@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from poot_core.driver.constraints import Constraint, Matcher, compile_constraint
-from poot_core.driver.sampling import Sampler
+from poot_core.driver.sampling import Sampler, TokenLogprobs, token_logprobs
 from poot_core.driver.speculation import (
     Draft,
     DraftPolicy,
@@ -83,6 +83,9 @@ class GenerateRequest:
     # Structured output: the reply follows a JSON schema, a regex, a choice or a grammar (constraints.py); it
     # ends when the constraint is complete (reason "eos") or at end-of-sequence where the constraint allows it.
     constraint: Constraint | None = None
+    # Log-probabilities of every generated token and of the `logprobs` most likely alternatives (None: off;
+    # 0: the token's own only). Speculative decoding is off for such a request.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Generation:
     text: str
     stop_reason: str  # "eos" | "stop" | "length" | "capacity" | "callback"
     timings: Timings
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
 OnToken = Callable[[int, str], GenerationControl | None]
@@ -270,6 +274,8 @@ class Driver:
         last, timings.reused_tokens = self._extend(prompt)
         timings.prefill_tokens = len(prompt) - timings.reused_tokens
         spec = self._speculation
+        if request.logprobs is not None or sampler.needs_prompt_len:
+            spec = None  # verify steps would need the prompt's length and each row's log-probabilities
         if spec is not None:
             spec.begin(prompt)  # a draft model prefills the prompt into its own cache here
         timings.prefill_seconds = time.perf_counter() - t0
@@ -284,9 +290,18 @@ class Driver:
         complete = False  # the constraint admits nothing more
         limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
         decided: list[int] = []  # tokens a verify step already chose; their K/V is in the cache but the last's
+        logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
         t1 = time.perf_counter()
         while len(generated) < limit:
-            token = decided.pop(0) if decided else self.next_token(last, sampler, history, matcher)
+            if decided:
+                token = decided.pop(0)
+            elif logprobs is not None:
+                row = self.executor.to_numpy(last)[0, -1]
+                row = row if matcher is None else matcher.apply(row)
+                token = sampler.sample(row, history, len(prompt))
+                logprobs.append(token_logprobs(row, token, request.logprobs or 0))
+            else:
+                token = self.next_token(last, sampler, history, matcher, len(prompt))
             generated.append(token)
             history.append(token)
             if token in stop_ids:
@@ -342,7 +357,7 @@ class Driver:
                 if on_token:
                     on_token(-1, tail)
         timings.decode_seconds = time.perf_counter() - t1
-        return Generation(generated, "".join(pieces), reason, timings)
+        return Generation(generated, "".join(pieces), reason, timings, logprobs)
 
     def stop_ids(self, request: GenerateRequest) -> set[int]:
         """The ids that end `request` as "eos": none under ignore_eos."""
@@ -403,13 +418,15 @@ class Driver:
         self._cached = self._cached[:position] + tokens[: len(decided)]
         return decided
 
-    def next_token(self, logits: Output, sampler: Sampler, history: list[int], matcher: Matcher | None = None) -> int:
+    def next_token(self, logits: Output, sampler: Sampler, history: list[int], matcher: Matcher | None = None,
+                   prompt_len: int | None = None) -> int:
         """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host,
-        over the logits the constraint allows (if any)."""
+        over the logits the constraint allows (if any). prompt_len: where the prompt ends in `history` (the
+        presence and frequency penalties need it)."""
         if matcher is None and sampler.is_greedy and self._greedy is not None:
             return int(self._greedy(logits))
         row = self.executor.to_numpy(logits)[0, -1]
-        return sampler.sample(row if matcher is None else matcher.apply(row), history)
+        return sampler.sample(row if matcher is None else matcher.apply(row), history, prompt_len)
 
     # --- encode: the final hidden state of every position (embeddings) ---------------------------------
     def prepare_encode(self, rows: int, longest: int) -> None:

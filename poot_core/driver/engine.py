@@ -23,6 +23,7 @@ import numpy as np
 from poot_core.driver.constraints import Matcher
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
+from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
@@ -40,6 +41,7 @@ class TokenEvent:
     request_id: int
     token: int
     text: str
+    logprobs: TokenLogprobs | None = None  # when the request asked for log-probabilities
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     first_token: float = 0.0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 def _buckets(limit: int) -> list[int]:
@@ -188,6 +191,8 @@ class ServingDriver:
         req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
                        StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter(),
                        constraint=matcher)
+        if request.logprobs is not None:
+            req.logprobs = []
         self._requests[rid] = req
         if self.keep_logits:
             self.logits[rid] = []
@@ -274,11 +279,15 @@ class ServingDriver:
             if self.keep_logits:
                 self.logits[seq.id].append(logits[slot].copy())
             row = logits[slot] if req.constraint is None else req.constraint.apply(logits[slot])
-            token = req.request.sampler.sample(row, seq.tokens)
-            events.extend(self._accept(req, token))
+            token = req.request.sampler.sample(row, seq.tokens, req.prompt_len)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = token_logprobs(row, token, req.request.logprobs or 0)
+                req.logprobs.append(logprobs)
+            events.extend(self._accept(req, token, logprobs))
         return events
 
-    def _accept(self, req: _Request, token: int) -> list[Event]:
+    def _accept(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
         """One new token through the path Driver.generate takes: eos, stop strings, callback, limits."""
         if not req.generated:
             req.first_token = time.perf_counter()
@@ -290,7 +299,7 @@ class ServingDriver:
             req.constraint.advance(token)
         emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
         req.pieces.append(emit)
-        events: list[Event] = [TokenEvent(req.seq.id, token, emit)]
+        events: list[Event] = [TokenEvent(req.seq.id, token, emit, logprobs)]
         from poot_core.driver.core import GenerationControl
 
         control = req.on_token(token, emit) if req.on_token else None
@@ -324,7 +333,8 @@ class ServingDriver:
         timings = Timings(prefill_tokens=req.prompt_len - req.seq.reused, prefill_seconds=first - req.submitted,
                           decode_tokens=max(count - 1, 0), decode_seconds=now - first if count else 0.0,
                           reused_tokens=req.seq.reused)
-        generation = Generation(list(req.generated), "".join(req.pieces), reason, timings)
+        generation = Generation(list(req.generated), "".join(req.pieces), reason, timings,
+                                None if req.logprobs is None else list(req.logprobs))
         tpot = (now - first) / (count - 1) if count > 1 else 0.0
         events.append(FinishedEvent(req.seq.id, reason, generation, first - req.submitted if count else 0.0, tpot,
                                     req.seq.preemptions, error))
