@@ -390,3 +390,75 @@ def tool_calls_from_text(text: str, tool_choice: Any) -> list[dict[str, Any]]:
     pairs = [(name, value)] if name is not None else [(c["name"], c["parameters"]) for c in value]
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": n, "arguments": json.dumps(args)}} for n, args in pairs]
+
+
+# --- tool calls in a free reply (tool_choice "auto") -------------------------------------------------------
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_call_format(chat_template: str | None) -> str:
+    """How the model's chat template asks for tool calls: "hermes" (Hermes, Qwen 2.5/3: <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call> blocks) when the template spells the tag, else "json" (one bare JSON object
+    {"name": ..., "arguments" or "parameters": {...}}, the Llama 3.1+ convention)."""
+    return "hermes" if chat_template and HERMES_OPEN in chat_template else "json"
+
+
+def _call(value: Any, names: set[str] | None) -> dict[str, Any] | None:
+    if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
+        return None
+    if names is not None and value["name"] not in names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments already serialised
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, Mapping):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def tool_calls_from_reply(text: str, tools: Sequence[Mapping[str, Any]] | None,
+                          fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a reply generated with tools offered and no constraint, as vLLM's hermes and
+    llama3_json parsers read it. Hermes: the text before the first <tool_call> stays content (None when empty),
+    every block is one call (an unclosed last block runs to the end). JSON: the whole reply is one object naming
+    one of the tools. A reply with no call, or with a call that does not parse: (text, [])."""
+    if fmt == "hermes":
+        start = text.find(HERMES_OPEN)
+        if start < 0:
+            return text, []
+        calls = []
+        for block in text[start:].split(HERMES_OPEN)[1:]:
+            body = block.split(HERMES_CLOSE, 1)[0].strip()
+            try:
+                call = _call(json.loads(body), None)
+            except ValueError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:start]
+        return (content if content.strip() else None), calls
+    try:
+        call = _call(json.loads(text), set(_tool_functions(tools)))
+    except (ValueError, RequestError):
+        return text, []
+    return (text, []) if call is None else (None, [call])
+
+
+def tool_call_start(text: str, fmt: str) -> int:
+    """How much of a streamed reply is content for certain: where a tool call may begin (Hermes: at the tag or at
+    a tail that could grow into it; JSON: at 0 while the reply is blank or starts with "{")."""
+    if fmt == "hermes":
+        at = text.find(HERMES_OPEN)
+        if at >= 0:
+            return at
+        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if HERMES_OPEN.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+    head = text.lstrip()
+    return 0 if not head or head.startswith("{") else len(text)
