@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
+from poot_core.driver.sampling import TokenLogprobs
 from poot_core.errors import PootError
 
 log = logging.getLogger("poot.server")
@@ -39,6 +40,7 @@ class Piece:
     token: int  # -1: the held-back tail of the text at the end
     text: str
     at: float  # perf_counter when the engine produced it
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class EngineBridge:
             if ticket is None:
                 continue
             if isinstance(event, TokenEvent):
-                self._push(ticket, Piece(event.token, event.text, now))
+                self._push(ticket, Piece(event.token, event.text, now, event.logprobs))
             elif isinstance(event, FinishedEvent):
                 del self._tickets[event.request_id]
                 waited = (ticket.admitted or started) - ticket.submitted

@@ -4,6 +4,10 @@ A stream ends with `data: [DONE]`; with stream_options.include_usage the chunk b
 and no choices. An error after the stream started (the engine failed, the server is stopping) arrives as a
 final event in OpenAI's error shape. A client that goes away aborts its requests at once: for a stream,
 Starlette cancels the generator; for a whole response, a watcher reads the connection's disconnect.
+
+Log-probabilities ride on the chunk of their token (logprobs.py); those of tokens that show no text (the
+end-of-sequence token) on the finishing chunk. A chat with tools streams its content until a tool call may
+begin, then delivers the calls in one delta before the finishing chunk (tools.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from poot_core.errors import RequestError
 from poot_core.server.bridge import Done, Piece, Rejected, Ticket
 from poot_core.server.errors import APIError, error_body, from_poot
 from poot_core.server.generation import Plan, chat_plan, completion_plans, finish_reason
+from poot_core.server.logprobs import CompletionLogprobs, chat_content
 from poot_core.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from poot_core.server.state import ServerState
+from poot_core.server.tools import ToolStream, deltas, finish, read_calls
+from poot_core.text.services import TextServices
 
 router = APIRouter()
 
@@ -38,7 +45,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state.check_model(body.model)
     loaded = state.need()
     plan = chat_plan(loaded.text, body, loaded.window)
-    return await _serve(state, request, body, [plan], chat=True)
+    return await _serve(state, request, body, [plan], chat=True, text=loaded.text)
 
 
 @router.post("/v1/completions")
@@ -47,18 +54,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state.check_model(body.model)
     loaded = state.need()
     plans = completion_plans(loaded.text, body, loaded.window)
-    return await _serve(state, request, body, plans, chat=False)
+    return await _serve(state, request, body, plans, chat=False, text=loaded.text)
 
 
-async def _serve(state: ServerState, request: Request, body: Sampling, plans: list[Plan], chat: bool) -> Any:
+async def _serve(state: ServerState, request: Request, body: Sampling, plans: list[Plan], chat: bool,
+                 text: TextServices) -> Any:
     requests = [r for plan in plans for r in plan.requests(body.n)]
     tickets = await state.submit(request.state.tenant, requests)
     prompt_tokens = sum(len(p.prompt) for p in plans)
     meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), state.settings.model,
-                 chat, prompt_tokens)
+                 chat, prompt_tokens, text)
+    choice_plans = [plan for plan in plans for _ in range(body.n)]
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, tickets, meta, usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(state, tickets, choice_plans, meta, usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, state, tickets))
     try:
@@ -66,21 +75,32 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
     finally:
         watcher.cancel()
     choices, completion_tokens = [], 0
-    for index, (text, done) in enumerate(finished):
+    for index, ((reply, done), plan) in enumerate(zip(finished, choice_plans, strict=True)):
         reason = finish_reason(done.event.reason)
-        completion_tokens += len(done.event.generation.tokens)
+        generation = done.event.generation
+        completion_tokens += len(generation.tokens)
+        steps = generation.logprobs
         if chat:
-            choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": reason})
+            message: dict[str, Any] = {"role": "assistant", "content": reply, "tool_calls": []}
+            if plan.tools is not None:
+                content, calls = read_calls(plan.tools, reply)
+                if calls:
+                    message.update(content=content, tool_calls=calls)
+                    reason = finish(plan.tools, calls, reason)
+            logprobs = None if steps is None else {"content": chat_content(text, steps)}
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+            logprobs = None if steps is None else CompletionLogprobs(text).block(steps)
+            choices.append({"index": index, "text": reply, "logprobs": logprobs, "finish_reason": reason})
     return JSONResponse({"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model,
                          "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
 
 class _Meta:
-    def __init__(self, id_: str, created: int, model: str, chat: bool, prompt_tokens: int) -> None:
+    def __init__(self, id_: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                 text: TextServices) -> None:
         self.id, self.created, self.model, self.chat, self.prompt_tokens = id_, created, model, chat, prompt_tokens
+        self.text = text
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -124,7 +144,26 @@ async def _abort_on_disconnect(request: Request, state: ServerState, tickets: li
             return
 
 
-async def _stream(state: ServerState, tickets: list[Ticket], meta: _Meta, usage: bool) -> AsyncIterator[str]:
+class _Choice:
+    """What one streamed choice carries between its chunks."""
+
+    def __init__(self, meta: _Meta, plan: Plan) -> None:
+        self.tools = ToolStream(plan.tools) if meta.chat and plan.tools is not None else None
+        self.logprobs = plan.logprobs is not None
+        self.completion = None if meta.chat or not self.logprobs else CompletionLogprobs(meta.text)
+        self.streamed = 0  # tokens whose logprobs went out
+
+    def logprob_block(self, meta: _Meta, steps: list[Any]) -> dict[str, Any] | None:
+        if not self.logprobs or not steps:
+            return None
+        self.streamed += len(steps)
+        if self.completion is not None:
+            return self.completion.block(steps)
+        return {"content": chat_content(meta.text, steps)}
+
+
+async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], meta: _Meta,
+                  usage: bool) -> AsyncIterator[str]:
     """Every choice's items, as they come, merged into one event stream."""
     merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -137,6 +176,7 @@ async def _stream(state: ServerState, tickets: list[Ticket], meta: _Meta, usage:
 
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
     open_ = len(tickets)
+    choices = [_Choice(meta, plan) for plan in plans]
     completion_tokens = 0
     try:
         if meta.chat:
@@ -144,17 +184,31 @@ async def _stream(state: ServerState, tickets: list[Ticket], meta: _Meta, usage:
                                "finish_reason": None} for i in range(len(tickets))])
         while open_:
             index, item = await merged.get()
+            choice = choices[index]
             if isinstance(item, Piece):
-                if item.text:
-                    yield meta.chunk([_delta(meta, index, item.text, None)])
+                piece = item.text if choice.tools is None else choice.tools.push(item.text)
+                logprobs = choice.logprob_block(meta, [] if item.logprobs is None else [item.logprobs])
+                if piece or logprobs is not None:
+                    yield meta.chunk([_delta(meta, index, piece, None, logprobs)])
             elif isinstance(item, Done):
                 open_ -= 1
                 if item.event.reason == "error":
                     yield _event(error_body(f"generation failed: {item.event.error}", "server_error", None,
                                             "generation_error"))
                     return
-                completion_tokens += len(item.event.generation.tokens)
-                yield meta.chunk([_delta(meta, index, "", finish_reason(item.event.reason))])
+                generation = item.event.generation
+                completion_tokens += len(generation.tokens)
+                reason = finish_reason(item.event.reason)
+                if choice.tools is not None:
+                    rest, calls = choice.tools.end()
+                    if rest:
+                        yield meta.chunk([_delta(meta, index, rest, None)])
+                    if calls:
+                        yield meta.chunk([{"index": index, "delta": {"tool_calls": deltas(calls)}, "logprobs": None,
+                                           "finish_reason": None}])
+                        reason = finish(choice.tools.tools, calls, reason)
+                left = (generation.logprobs or [])[choice.streamed :]
+                yield meta.chunk([_delta(meta, index, "", reason, choice.logprob_block(meta, left))])
             elif isinstance(item, Rejected):
                 yield _event(error_body(str(item.error), "server_error", None, "server_stopping"))
                 return
@@ -167,8 +221,9 @@ async def _stream(state: ServerState, tickets: list[Ticket], meta: _Meta, usage:
             p.cancel()
 
 
-def _delta(meta: _Meta, index: int, text: str, reason: str | None) -> dict[str, Any]:
+def _delta(meta: _Meta, index: int, text: str, reason: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if meta.chat:
-        return {"index": index, "delta": {"content": text} if text or reason is None else {}, "logprobs": None,
+        return {"index": index, "delta": {"content": text} if text or reason is None else {}, "logprobs": logprobs,
                 "finish_reason": reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -2,7 +2,13 @@
 
 OpenAI's defaults apply where a field is absent (temperature 1, top-p 1, no top-k, no min-p), not
 llama.cpp's: clients expect them. temperature 0 is greedy and gives the offline engine's exact tokens.
-Fields poot cannot honour yet are refused by name instead of being ignored.
+presence_penalty and frequency_penalty count the generated tokens (OpenAI), repetition_penalty every token of
+prompt and output (transformers, vLLM). Fields poot cannot honour yet are refused by name instead of being
+ignored.
+
+Tools: tool_choice "none" renders the prompt without them; a named function or "required" constrains the reply
+(tool_call_constraint); "auto" (or absent) leaves the reply free and the server parses it in the format of the
+model's chat template (tool_call_format).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poot_core.driver.constraints import Constraint, from_response_format
+from poot_core.driver.constraints import Constraint, from_response_format, tool_call_constraint, tool_call_format
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.sampling import Sampler
 from poot_core.errors import RequestError
@@ -27,12 +33,30 @@ class Plan:
     max_new: int  # -1: to the end of the window
     stops: list[str]
     body: Sampling
-    constraint: Constraint | None = None  # response_format's JSON schema or object (poot_core.driver.constraints)
+    constraint: Constraint | None = None  # response_format's or a forced tool call's (poot_core.driver.constraints)
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
+    tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
         return [GenerateRequest(list(self.prompt), self.max_new, sampler(self.body, i), list(self.stops),
-                                self.body.ignore_eos, constraint=self.constraint) for i in range(n)]
+                                self.body.ignore_eos, constraint=self.constraint, logprobs=self.logprobs)
+                for i in range(n)]
+
+
+@dataclass
+class Tools:
+    """A chat request's tools. forced: the reply is constrained to a call (tool_choice names a function or is
+    "required"), read by tool_calls_from_text; otherwise it is free and read in `format` (tool_calls_from_reply)."""
+
+    tools: list[dict[str, Any]]
+    choice: Any
+    format: str
+    constraint: Constraint | None = None  # the forced call's
+
+    @property
+    def forced(self) -> bool:
+        return self.constraint is not None
 
 
 def refuse(field: str, why: str) -> APIError:
@@ -44,13 +68,11 @@ def sampler(body: Sampling, choice: int = 0) -> Sampler:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     seed = None if body.seed is None else (body.seed + choice) % 2**63
     return Sampler(temperature=temperature, top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
-                   min_p=body.min_p or 0.0, repeat_penalty=body.repetition_penalty or 1.0, seed=seed)
+                   min_p=body.min_p or 0.0, repeat_penalty=body.repetition_penalty or 1.0, repeat_last_n=-1,
+                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=seed)
 
 
 def _common_refusals(body: Sampling) -> None:
-    if body.presence_penalty or body.frequency_penalty:
-        raise refuse("presence_penalty" if body.presence_penalty else "frequency_penalty",
-                     "not supported; repetition_penalty (a multiplicative penalty on recent tokens) is")
     if body.logit_bias:
         raise refuse("logit_bias", "not supported")
     if body.stream_options is not None and not body.stream:
@@ -95,35 +117,53 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> Plan:
     _common_refusals(body)
-    if body.logprobs or body.top_logprobs:
-        raise refuse("logprobs", "not supported yet")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise refuse("top_logprobs", "needs logprobs: true")
     try:  # a schema that does not compile is refused when the engine takes the request (also a 400)
         constraint = from_response_format(body.response_format)
     except RequestError as err:
         raise APIError(400, f"response_format: {err}", param="response_format",
                        code="invalid_response_format") from None
-    if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
-        raise refuse("tool_choice", "forcing a tool call is not supported; the tools reach the chat template")
+    tools = _tools(text, body)
+    if tools is not None and tools.forced:
+        if constraint is not None:
+            raise refuse("tool_choice", "a forced tool call and response_format cannot be combined")
+        constraint = tools.constraint
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise refuse("max_completion_tokens", "differs from max_tokens; give one of them")
     limit = body.max_completion_tokens or body.max_tokens
-    rendered = text.render_chat_value(message_dicts(body.messages), body.tools)
+    rendered = text.render_chat_value(message_dicts(body.messages), None if tools is None else tools.tools)
     prompt = text.encode_chat(rendered)
     max_new = -1 if limit is None else limit
     check_window(len(prompt), max_new, window)
     stops = stops_of(body)
     if not body.ignore_eos:
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
-    return Plan(prompt, max_new, stops, body, constraint)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return Plan(prompt, max_new, stops, body, constraint, logprobs, tools)
+
+
+def _tools(text: TextServices, body: ChatCompletionRequest) -> Tools | None:
+    """The request's tools, or None when there are none or tool_choice is "none"."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise refuse("tool_choice", "names a tool but the request has no tools")
+        return None
+    if choice == "none":
+        return None
+    try:
+        constraint = tool_call_constraint(body.tools, choice, body.parallel_tool_calls)
+    except RequestError as err:
+        raise refuse("tool_choice", str(err)) from None
+    return Tools(body.tools, choice, tool_call_format(text.vocab.chat_template), constraint)
 
 
 def completion_plans(text: TextServices, body: CompletionRequest, window: int) -> list[Plan]:
     _common_refusals(body)
     if body.echo:
         raise refuse("echo", "not supported")
-    if body.logprobs:
-        raise refuse("logprobs", "not supported yet")
     if body.suffix:
         raise refuse("suffix", "not supported (no fill-in-the-middle)")
     if body.best_of is not None and body.best_of != body.n:
@@ -149,7 +189,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
             raise refuse("prompt", f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         max_new = -1 if body.max_tokens is None else body.max_tokens
         check_window(len(ids), max_new, window, "prompt")
-        plans.append(Plan(ids, max_new, stops_of(body), body))
+        plans.append(Plan(ids, max_new, stops_of(body), body, logprobs=body.logprobs))
     return plans
 
 

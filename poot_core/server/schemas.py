@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16  # choices per request
 MAX_STOPS = 16
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -85,16 +86,17 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
