@@ -321,8 +321,14 @@ def poot_run(hf: dict[str, Any], name: str, prompt: int, new: int, prefill: int,
 
 # (block_n, warps, stages): 4 columns a thread (512/4, 128/1) won the 2026-12-01 sweep at the deepest split then
 # tried (32); 8 columns a thread (256/1, 512/2) for gate/up of some layouts; pipelined loads not yet measured
-SWEEP_TILES = [(512, 4, 1), (128, 1, 1), (256, 1, 1), (512, 2, 1), (512, 4, 2), (128, 1, 2)]
+SWEEP_TILES = [(512, 4, 1, 128), (128, 1, 1, 128), (256, 1, 1, 128), (512, 2, 1, 128), (512, 4, 2, 128),
+               (128, 1, 2, 128)]  # (block_n, warps, stages, block_k)
 SWEEP_SPLITS = [8, 16, 32, 48, 64]
+
+
+def parse_tiles(text: str) -> list[tuple[int, int, int, int]]:
+    """"32x1x1x64,64x1x1x128": block_n x warps x stages x block_k, comma separated."""
+    return [tuple(int(v) for v in t.split("x")) for t in text.split(",") if t]  # type: ignore[misc]
 
 
 def sweep_one(kind: str, label: str, n: int, k: int, gen: torch.Generator, bandwidth: float) -> dict[str, Any]:
@@ -344,23 +350,25 @@ def sweep_one(kind: str, label: str, n: int, k: int, gen: torch.Generator, bandw
     ref = ktr.linear(x.expand(8, k).contiguous(), ws[0])[0:1].float()  # the GEMM route
     default_us = graph_us(step)
     rows = []
-    for bn, warps, stages in SWEEP_TILES:
+    for bn, warps, stages, bk in SWEEP_TILES:
         for split in SWEEP_SPLITS:
-            matmul.GEMV_OVERRIDE["planes"] = Tile(block_n=bn, block_k=128, num_warps=warps, num_stages=stages,
+            matmul.GEMV_OVERRIDE["planes"] = Tile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                                   split_k=split)  # fmt: skip
             try:
                 err = float((ktr.linear(x, ws[0]).float() - ref).norm() / ref.norm())
-                rows.append((graph_us(step), bn, warps, split, err, stages))
+                rows.append((graph_us(step), bn, warps, split, err, stages, bk))
             except Exception as exc:  # a tile that fails to compile is skipped, reported
-                log(f"  {kind} {label} {bn}/{warps}/{split}/s{stages} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                log(f"  {kind} {label} {bn}/{warps}/{split}/s{stages}/k{bk} failed: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
     matmul.GEMV_OVERRIDE.pop("planes", None)
     best = min(rows, key=lambda r: r[0])
     log(f"  sweep {kind:12s} {label:8s} default {default_us:6.1f} us ({nbytes / default_us / 1e3:5.0f} GB/s), "
-        f"best {best[1]}/{best[2]}w/s{best[5]} split {best[3]} {best[0]:6.1f} us ({nbytes / best[0] / 1e3:5.0f} GB/s, "
+        f"best {best[1]}/{best[2]}w/s{best[5]}/k{best[6]} split {best[3]} {best[0]:6.1f} us "
+        f"({nbytes / best[0] / 1e3:5.0f} GB/s, "
         f"{100 * nbytes / best[0] / 1e3 / bandwidth:.0f}% of copy) err {best[4]:.1e}")
     return {"n": n, "k": k, "bytes": nbytes, "default_us": default_us, "default_GBps": nbytes / default_us / 1e3,
             "best": {"us": best[0], "block_n": best[1], "warps": best[2], "split": best[3], "stages": best[5],
-                     "GBps": nbytes / best[0] / 1e3, "err": best[4]}, "all": rows}  # fmt: skip
+                     "block_k": best[6], "GBps": nbytes / best[0] / 1e3, "err": best[4]}, "all": rows}  # fmt: skip
 
 
 def planes_sweep(hf: dict[str, Any], bandwidth: float, names: list[str], seconds: float) -> dict[str, Any]:
@@ -493,6 +501,9 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--sweep", type=float, default=0.0, help="seconds for a planes GEMV tile sweep instead")
+    ap.add_argument("--sweep-tiles", default="", help="the sweep's tiles: 32x1x1x64,... (block_n x warps x stages x "
+                    "block_k)")
+    ap.add_argument("--sweep-splits", default="", help="the sweep's split counts: 16,32,64")
     ap.add_argument("--profile", action="store_true", help="kernel times per decode step (eager, profiler)")
     ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no layout after this, then transformers")
     ap.add_argument("--hf-seconds", type=float, default=150.0, help="the budget's share kept for transformers")
@@ -530,6 +541,9 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(out, indent=1))
 
     if args.sweep:
+        global SWEEP_TILES, SWEEP_SPLITS
+        SWEEP_TILES = parse_tiles(args.sweep_tiles) or SWEEP_TILES
+        SWEEP_SPLITS = [int(v) for v in args.sweep_splits.split(",") if v] or SWEEP_SPLITS
         out["sweep"] = planes_sweep(hf, bw, names, args.sweep)
         save()
         return 0
