@@ -210,6 +210,39 @@ def test_required_tool_choice(client, stream):
     jsonschema.validate(json.loads(arguments), schema)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_a_bare_json_call_from_the_reply(client, stream):
+    """SmolLM2's template has no tool-call tag, so "auto" reads a reply that is one JSON object naming a tool
+    (the reply is steered there by response_format, the parse is the server's)."""
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                             "arguments": WEATHER["function"]["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    kwargs = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": [WEATHER],
+              "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": call}}}
+    if stream:
+        content, found, reason = "", [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                found += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+                reason = choice.finish_reason or reason
+    else:
+        r = client.chat.completions.create(**kwargs)
+        content, reason = r.choices[0].message.content or "", r.choices[0].finish_reason
+        found = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+    assert content == "" and reason == "tool_calls" and len(found) == 1 and found[0][0] == "get_weather"
+    jsonschema.validate(json.loads(found[0][1]), WEATHER["function"]["parameters"])
+
+
+def test_auto_with_a_plain_reply_streams_its_content(client):
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=NEW, temperature=0)
+    text = plain.choices[0].message.content
+    assert text and not text.lstrip().startswith("{")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=NEW, temperature=0, tools=[WEATHER], stream=True) if c.choices)
+    assert streamed == text
+
+
 def test_tool_choice_errors(client):
     for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
         with pytest.raises(openai.BadRequestError) as e:
