@@ -13,38 +13,21 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 
 import poot_kernels_triton as ktr  # noqa: E402
+from helpers.triton_checks import counters_are_zero, rel_err  # noqa: E402
 from poot_core.checkpoint.layouts import PackedWeight  # noqa: E402
-from poot_kernels_triton import matmul, splitk  # noqa: E402
+from poot_kernels_triton import splitk  # noqa: E402
 from poot_kernels_triton.tuning import Tile  # noqa: E402
 
 BF16_BOUND = 1.2e-2
 F16_BOUND = 2e-3
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
-
-
-@pytest.fixture
-def override():
-    """Force one tile per GEMV kind for the test, restored afterwards."""
-    saved = dict(matmul.GEMV_OVERRIDE)
-    yield matmul.GEMV_OVERRIDE
-    matmul.GEMV_OVERRIDE.clear()
-    matmul.GEMV_OVERRIDE.update(saved)
-
-
-def counters_are_zero() -> bool:
-    return all(int(buf.abs().sum()) == 0 for buf in splitk._COUNTERS.values())
-
-
 @pytest.mark.parametrize("split", [1, 2, 3, 8])
 @pytest.mark.parametrize("m", [1, 3])
-def test_dense_split_k(override, split: int, m: int) -> None:
+def test_dense_split_k(gemv_override, split: int, m: int) -> None:
     torch.manual_seed(split * 10 + m)
     n, k = 37, 200  # neither a multiple of the tile: masked edges in both directions
-    override["dense"] = Tile(block_n=8, block_k=32, num_warps=1, num_stages=1, split_k=split)
+    gemv_override["dense"] = Tile(block_n=8, block_k=32, num_warps=1, num_stages=1, split_k=split)
     x = torch.randn(m, k).to(torch.float16)
     w = torch.randn(n, k).to(torch.float16)
     b = torch.randn(n).to(torch.float16)
@@ -80,7 +63,7 @@ def q4k_rows(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     ],
 )
 @pytest.mark.parametrize("m", [1, 2])
-def test_q4k_words_gemv(override, tile: Tile, m: int) -> None:
+def test_q4k_words_gemv(gemv_override, tile: Tile, m: int) -> None:
     rng = np.random.default_rng(m)
     n, k = 13, 768
     blocks = q4k_rows(n, k, rng)
@@ -88,7 +71,7 @@ def test_q4k_words_gemv(override, tile: Tile, m: int) -> None:
     x = torch.from_numpy(rng.standard_normal((m, k))).to(torch.bfloat16)
     b = torch.from_numpy(rng.standard_normal(n)).to(torch.bfloat16)
     ref = x.double() @ torch.from_numpy(w_ref).T + b.double()
-    override["q4_k"] = tile
+    gemv_override["q4_k"] = tile
     weight = PackedWeight("gguf", (n, k), {"blocks": torch.from_numpy(blocks)}, {"type": "Q4_K"})
     assert rel_err(ktr.linear(x, weight, b), ref) < BF16_BOUND
     # rows of a concatenation are views: the kernel reads them through an int32 view too
@@ -124,12 +107,12 @@ def gptq_reference(p: dict[str, torch.Tensor], zero_offset: int) -> torch.Tensor
 @pytest.mark.parametrize("group", [64, 512])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_words_gemv(override, group: int, split: int, act_order: bool) -> None:
+def test_gptq_words_gemv(gemv_override, group: int, split: int, act_order: bool) -> None:
     gen = torch.Generator().manual_seed(group + split + act_order)
     k, n = 512, 40
     p = gptq_parts(k, n, group, act_order, gen)
     x = torch.randn(2, k, generator=gen).to(torch.float16)
-    override["planes"] = Tile(block_n=16, block_k=256, num_warps=1, num_stages=1, split_k=split)
+    gemv_override["planes"] = Tile(block_n=16, block_k=256, num_warps=1, num_stages=1, split_k=split)
     meta = {"bits": 4, "group_size": -1 if group == k else group, "desc_act": act_order}
     weight = PackedWeight("gptq", (n, k), p, meta)
     for offset, fmt in ((1, "gptq"), (0, "gptq_v2")):

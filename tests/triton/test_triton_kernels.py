@@ -16,6 +16,7 @@ import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 
 import poot_kernels_triton as ktr
 from helpers.gguf_blocks import F16_FIELDS
+from helpers.triton_checks import rel_err
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.errors import RequestError, Unsupported
 
@@ -24,11 +25,6 @@ pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 # ||out - ref|| / ||ref|| bounds by the dtype the output is rounded to
 BOUND = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
 
 
 @pytest.fixture(autouse=True)

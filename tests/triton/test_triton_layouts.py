@@ -17,8 +17,9 @@ import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 import poot_kernels_triton as ktr
 from helpers.gguf_blocks import F16_FIELDS, random_blocks
 from helpers.quant_pack import e4m3_to_float, pack_along_cols, pack_along_rows
+from helpers.triton_checks import counters_are_zero, rel_err
 from poot_core import PackedWeight, Reason, Unsupported
-from poot_kernels_triton import matmul, planes, relayout, splitk
+from poot_kernels_triton import planes, relayout
 from poot_kernels_triton.tuning import Tile
 from poot_kernels_triton.weights import DeviceWeights
 
@@ -27,15 +28,6 @@ pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 BF16_BOUND = 1.2e-2  # bf16 output rounding (the sums are float32)
 F32_BOUND = 1e-5  # float32 output: what the kernels' own arithmetic costs
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
-
-
-def counters_are_zero() -> bool:
-    return all(int(buf.abs().sum()) == 0 for buf in splitk._COUNTERS.values())
 
 
 def check_all_routes(w: PackedWeight, ref: torch.Tensor, seed: int) -> None:
@@ -185,20 +177,12 @@ def test_fp8_planes(granularity: str) -> None:
 # ---------------------------------------------------------------- split-K, joined matrices
 
 
-@pytest.fixture
-def override():
-    saved = dict(matmul.GEMV_OVERRIDE)
-    yield matmul.GEMV_OVERRIDE
-    matmul.GEMV_OVERRIDE.clear()
-    matmul.GEMV_OVERRIDE.update(saved)
-
-
-def test_planes_split_k(override) -> None:
+def test_planes_split_k(gemv_override) -> None:
     """Programs sharing an output tile along k (an uneven share): partials summed by the last one, counters
     back to zero."""
     weight, ref = random_gguf("Q4_K", 20, 512, seed=7)
     pw = relayout.to_planes(weight)
-    override["planes"] = Tile(block_n=16, block_k=64, num_warps=1, num_stages=1, split_k=3)
+    gemv_override["planes"] = Tile(block_n=16, block_k=64, num_warps=1, num_stages=1, split_k=3)
     x = torch.randn(1, 512).to(torch.bfloat16)
     for _ in range(2):  # the counters reset themselves: a second launch is right too
         assert rel_err(planes.planes_linear(x, pw, out_dtype=torch.float32), x.double() @ ref.T) < F32_BOUND
