@@ -84,7 +84,7 @@ class GenerateRequest:
     # ends when the constraint is complete (reason "eos") or at end-of-sequence where the constraint allows it.
     constraint: Constraint | None = None
     # Log-probabilities of every generated token and of the `logprobs` most likely alternatives (None: off;
-    # 0: the token's own only). Speculative decoding is off for such a request.
+    # 0: the token's own only), from the logits the token was picked from (sampling.token_logprobs).
     logprobs: int | None = None
 
 
@@ -274,8 +274,6 @@ class Driver:
         last, timings.reused_tokens = self._extend(prompt)
         timings.prefill_tokens = len(prompt) - timings.reused_tokens
         spec = self._speculation
-        if request.logprobs is not None or sampler.needs_prompt_len:
-            spec = None  # verify steps would need the prompt's length and each row's log-probabilities
         if spec is not None:
             spec.begin(prompt)  # a draft model prefills the prompt into its own cache here
         timings.prefill_seconds = time.perf_counter() - t0
@@ -291,10 +289,13 @@ class Driver:
         limit = request.max_new if request.max_new >= 0 else cap - len(prompt)
         decided: list[int] = []  # tokens a verify step already chose; their K/V is in the cache but the last's
         logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
+        decided_logprobs: list[TokenLogprobs] = []  # ... and their log-probabilities, when asked for
         t1 = time.perf_counter()
         while len(generated) < limit:
             if decided:
                 token = decided.pop(0)
+                if logprobs is not None:
+                    logprobs.append(decided_logprobs.pop(0))
             elif logprobs is not None:
                 row = self.executor.to_numpy(last)[0, -1]
                 row = row if matcher is None else matcher.apply(row)
@@ -341,7 +342,8 @@ class Driver:
                 continue
             if matcher is not None:  # drafts past the first one the constraint refuses are not verified
                 proposal = matcher.trim(proposal)
-            decided = self._verify(proposal, position, sampler, history, matcher)
+            decided, decided_logprobs = self._verify(proposal, position, sampler, history, matcher, len(prompt),
+                                                     request.logprobs)
             spec.kept(len(proposal.tokens), len(decided) - 1)
             timings.verify_steps += 1
             timings.proposed += len(proposal.tokens)
@@ -404,19 +406,23 @@ class Driver:
         return last
 
     def _verify(self, proposal: Proposal, position: int, sampler: Sampler, history: list[int],
-                matcher: Matcher | None = None) -> list[int]:
+                matcher: Matcher | None = None, prompt_len: int | None = None,
+                top: int | None = None) -> tuple[list[int], list[TokenLogprobs]]:
         """Run history's last token and the proposal as one step at `position`, read the logits of every
         position and return the tokens the rule keeps (see speculation.accept). The cache then holds the kept
         tokens; the rejected positions are dropped from the bookkeeping and written over by the next step. Under
         a constraint each position's logits are masked by the constraint's state after the drafts before it
-        (the state itself is rolled back; the loop advances it by the kept tokens)."""
+        (the state itself is rolled back; the loop advances it by the kept tokens). With `top` (the request's
+        logprobs), also each kept token's log-probabilities from its row."""
         tokens = [history[-1], *proposal.tokens]
         logits = self.executor.to_numpy(self._run(tokens, position, True))[0]
         if matcher is not None:
             logits = np.where(matcher.masks_along(proposal.tokens), logits, -np.inf)
-        decided = accept(logits, proposal, sampler, history)
+        decided = accept(logits, proposal, sampler, history, prompt_len)
         self._cached = self._cached[:position] + tokens[: len(decided)]
-        return decided
+        if top is None:
+            return decided, []
+        return decided, [token_logprobs(logits[i], t, top) for i, t in enumerate(decided)]
 
     def next_token(self, logits: Output, sampler: Sampler, history: list[int], matcher: Matcher | None = None,
                    prompt_len: int | None = None) -> int:

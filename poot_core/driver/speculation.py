@@ -198,8 +198,10 @@ class DraftModelProposer:
         options = DriverOptions(capacity=target.options.capacity, prefill_chunk=target.options.prefill_chunk,
                                 max_programs=target.options.max_programs)
         self.driver = Driver(policy.handle, policy.executor or target.executor, options).serve()
+        self._prompt_len = 0
 
     def begin(self, prompt: list[int]) -> None:
+        self._prompt_len = len(prompt)  # the presence and frequency penalties count only what follows it
         self.driver.prefill_cache(prompt)
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
@@ -210,9 +212,9 @@ class DraftModelProposer:
         q: list[Distribution] | None = None if sampler.temperature == 0.0 else []
         for i in range(k):
             if q is None:
-                token = d.next_token(last, sampler, seq)
+                token = d.next_token(last, sampler, seq, prompt_len=self._prompt_len)
             else:
-                dist = sampler.distribution(d.executor.to_numpy(last)[0, -1], seq)
+                dist = sampler.distribution(d.executor.to_numpy(last)[0, -1], seq, self._prompt_len)
                 token = sampler.draw(*dist)
                 q.append(dist)
             tokens.append(token)
@@ -232,22 +234,23 @@ def make_speculation(draft: Draft, target: Driver) -> Speculation | None:
 
 
 # --- the verify rule -----------------------------------------------------------------------------------------
-def accept(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: list[int]) -> list[int]:
+def accept(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: list[int],
+           prompt_len: int | None = None) -> list[int]:
     """The tokens to emit after one verify step: the kept prefix of the proposal, then one token of the
     target's own. logits [len(proposal) + 1, vocab]: row i is the target's next-token logits after the history
-    and the first i proposed tokens."""
+    and the first i proposed tokens; the first prompt_len tokens of history are the prompt."""
     drafts = proposal.tokens
     if sampler.temperature == 0.0:  # deterministic picks (greedy, with or without repeat penalty)
         out: list[int] = []
         for i in range(len(drafts) + 1):
             pick = (int(np.argmax(logits[i])) if sampler.is_greedy
-                    else sampler.sample(logits[i], history + drafts[:i]))
+                    else sampler.sample(logits[i], history + drafts[:i], prompt_len))
             out.append(pick)
             if i == len(drafts) or pick != drafts[i]:
                 return out
     out = []
     for i, d in enumerate(drafts):
-        p_ids, p = sampler.distribution(logits[i], history + drafts[:i])
+        p_ids, p = sampler.distribution(logits[i], history + drafts[:i], prompt_len)
         p_d = float(p[p_ids == d].sum())
         if proposal.q is None:
             q_ids, q = np.array([d]), np.ones(1)
@@ -259,7 +262,7 @@ def accept(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: li
             continue
         out.append(_draw_residual(sampler, p_ids, p, q_ids, q))
         return out
-    out.append(sampler.draw(*sampler.distribution(logits[len(drafts)], history + drafts)))
+    out.append(sampler.draw(*sampler.distribution(logits[len(drafts)], history + drafts, prompt_len)))
     return out
 
 

@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, RequestError, Sampler, open_executor
+from poot_core import (
+    DraftPolicy,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Layout,
+    ModelHandle,
+    RequestError,
+    Sampler,
+    open_executor,
+)
 from poot_core.driver.engine import FinishedEvent
 from poot_core.driver.sampling import token_logprobs
 
@@ -121,3 +131,21 @@ def test_logprobs_of_a_masked_row():
     ref = finite - np.log(np.exp(finite).sum())
     assert lp.logprob == pytest.approx(ref[1], abs=1e-12)
     assert [t for t, _ in lp.top] == [2, 0, 3, 1] and lp.top[-1][1] == -np.inf
+
+
+def test_speculation_keeps_penalties_and_logprobs(drivers):
+    """Prompt lookup on a repetitive prompt: verify steps run, and greedy tokens with penalties and their
+    log-probabilities equal plain decoding's."""
+    solo, _ = drivers
+    spec = Driver(solo.handle, solo.executor, DriverOptions(capacity=96, prefill_chunk=8,
+                                                            draft=DraftPolicy.PromptLookup(k=4))).serve()
+    prompt = PROMPT[:6] * 4
+    sampler = Sampler(temperature=0.0, presence_penalty=0.3, frequency_penalty=0.2)
+    want = solo.generate(GenerateRequest(prompt, NEW, sampler, ignore_eos=True, logprobs=3))
+    got = spec.generate(GenerateRequest(prompt, NEW, sampler, ignore_eos=True, logprobs=3))
+    assert got.timings.verify_steps > 0
+    assert got.tokens == want.tokens
+    assert got.logprobs is not None and want.logprobs is not None and len(got.logprobs) == len(got.tokens)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < LOGIT_BOUND
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
