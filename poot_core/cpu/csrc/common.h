@@ -48,6 +48,17 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
+/* acc[r] += v . (block b of row r of x) for the m (at most 4) rows of x, each nb blocks of 256 values, summed
+   in index order: the portable route of the K-quant products, over one block decoded into v. */
+static inline void block_dot_rows(const float *v, const float *x, int64_t m, int64_t nb, int64_t b, float *acc) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xb = x + r * nb * 256 + b * 256;
+        float s = 0.0f;
+        for (int j = 0; j < 256; j++) s += v[j] * xb[j];
+        acc[r] += s;
+    }
+}
+
 #ifdef __AVX512F__
 /* exp(x) for 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (about
    2 ulp, as vectorized exp libraries are); inputs below -104 give 0. */

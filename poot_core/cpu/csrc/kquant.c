@@ -291,12 +291,7 @@ void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         float v[256], acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int64_t b = 0; b < nb; b++) {
             k_block(type, w + o * row_bytes + b * k_size(type), v);
-            for (int64_t r = 0; r < m; r++) {
-                const float *xb = x + r * nb * 256 + b * 256;
-                float s = 0.0f;
-                for (int j = 0; j < 256; j++) s += v[j] * xb[j];
-                acc[r] += s;
-            }
+            block_dot_rows(v, x, m, nb, b, acc);
         }
         for (int64_t r = 0; r < m; r++) y[r * n + o] = acc[r];
     }

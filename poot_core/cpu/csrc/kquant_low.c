@@ -284,12 +284,7 @@ static void kl_rows_portable(int type, int64_t m, const uint8_t *w, int64_t row_
         float v[256], acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int64_t b = 0; b < nb; b++) {
             kl_block(type, w + o * row_bytes + b * kl_size[type], v);
-            for (int64_t r = 0; r < m; r++) {
-                const float *xb = x + r * nb * 256 + b * 256;
-                float s = 0.0f;
-                for (int j = 0; j < 256; j++) s += v[j] * xb[j];
-                acc[r] += s;
-            }
+            block_dot_rows(v, x, m, nb, b, acc);
         }
         for (int64_t r = 0; r < m; r++) y[r * n + o] = acc[r];
     }
