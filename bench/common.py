@@ -112,3 +112,24 @@ def step_programs(family: Any, config: Any, executor: Any, weights: Any, shapes:
         return executor.prepare(tracer.graph, weights), tracer.graph
 
     return program
+
+
+def log(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+class DeviceStore:
+    """A WeightStore stand-in over tensors already made on the device (upload then moves nothing); a subclass
+    fills `w` (name -> tensor or PackedWeight)."""
+
+    def __init__(self) -> None:
+        self.w: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self.w)
+
+    def get(self, name: str) -> Any:
+        return self.w[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(w.shape) for n, w in self.w.items()}

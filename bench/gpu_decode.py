@@ -62,8 +62,7 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (25
                "Q6_K": (256, 210), "IQ4_XS": (256, 136)}  # fmt: skip
 
 
-def log(*args: Any) -> None:
-    print(*args, flush=True)
+log = common.log
 
 
 def events_ms(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -153,11 +152,11 @@ def stored_bytes(w: Any) -> int:
     return sum(t.numel() * t.element_size() for t in w.parts.values())
 
 
-class GpuStore:
-    """A WeightStore stand-in whose tensors are already on the GPU (upload then moves nothing)."""
+class GpuStore(common.DeviceStore):
+    """Random weights of `kind` made on the GPU."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], kind: str, seed: int = 0) -> None:
-        self.w: dict[str, Any] = {}
+        super().__init__()
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for name, shape in shapes.items():
             matrix = len(shape) == 2 and "embed" not in name and "lm_head" not in name
@@ -166,15 +165,6 @@ class GpuStore:
             else:
                 self.w[name] = random_weight(kind if matrix else "bfloat16", shape[0], shape[1], gen)
         self.layer_bytes = sum(stored_bytes(w) for n, w in self.w.items() if ".layers." in n)
-
-    def names(self) -> list[str]:
-        return list(self.w)
-
-    def get(self, name: str) -> Any:
-        return self.w[name]
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(w.shape) for n, w in self.w.items()}
 
 
 def llama_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:

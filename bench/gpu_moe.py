@@ -56,8 +56,7 @@ SMOKE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2,
              num_experts_per_tok=2)
 
 
-def log(*args: Any) -> None:
-    print(*args, flush=True)
+log = common.log
 
 
 def dense_twin(hf: dict[str, Any]) -> dict[str, Any]:
@@ -96,13 +95,13 @@ def shapes(hf: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return out, experts
 
 
-class RandomStore:
-    """A WeightStore stand-in whose tensors are made on the device (upload then moves nothing)."""
+class RandomStore(common.DeviceStore):
+    """Random bf16 weights made on `device` (the experts constant, so every expert costs the same)."""
 
     def __init__(self, hf: dict[str, Any], device: str, seed: int = 0) -> None:
+        super().__init__()
         gen = torch.Generator(device=device).manual_seed(seed)
         named, experts = shapes(hf)
-        self.w: dict[str, torch.Tensor] = {}
         for name, shape in named.items():
             t = torch.empty(shape, dtype=torch.bfloat16, device=device)
             if len(shape) == 1:
@@ -112,15 +111,6 @@ class RandomStore:
             else:
                 t.normal_(0.0, 0.02, generator=gen)
             self.w[name] = t
-
-    def names(self) -> list[str]:
-        return list(self.w)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.w[name]
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(w.shape) for n, w in self.w.items()}
 
 
 def active_bytes(hf: dict[str, Any]) -> int:

@@ -1,7 +1,7 @@
 """Vulkan decode beside the CUDA backend and the copy-bandwidth floor, batch 1, random bf16 weights.
 
 Two shapes: SmolLM2-135M (untied head, so the head is its own matrix as in the 8B) and Llama-3-8B. The same
-weights (bench/gpu_decode.GpuStore, seed 0) go to each executor; both decode greedily on the device through the
+weights (RandomStore, seed 0) go to each executor; both decode greedily on the device through the
 same loop (prefill the prompt, then one token per step, 4 bytes read back a step). Reported per backend: decode
 tok/s, the bytes a step reads (every weight but the embedding table, plus the mean KV read) times tok/s as
 achieved GB/s, and that as a fraction of the measured device-to-device copy bandwidth (read + write counted).
@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backen
 
 from gpu_decode import HF_LLAMA3_8B, llama_shapes  # noqa: E402
 
+import common  # noqa: E402
+
 SMOLLM2_135M = dict(
     vocab_size=49152,
     hidden_size=576,
@@ -45,33 +47,23 @@ SMOLLM2_135M = dict(
 MODELS = {"smollm2": SMOLLM2_135M, "llama8b": HF_LLAMA3_8B}
 
 
-def log(*args: Any) -> None:
-    print(*args, flush=True)
+log = common.log
 
 
-class RandomStore:
+class RandomStore(common.DeviceStore):
     """bf16 weights N(0, 0.02) (norm scales 1), made on the GPU when there is one, seeded per run so every
-    executor gets the same values."""
+    executor gets the same values (on a GPU, those of gpu_decode.GpuStore's bf16 layout)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+        super().__init__()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator(device=device).manual_seed(seed)
-        self.w: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():
             if len(shape) == 1:
                 self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device=device)
             else:
                 t = torch.empty(shape, dtype=torch.bfloat16, device=device)
                 self.w[name] = t.normal_(0.0, 0.02, generator=gen)
-
-    def names(self) -> list[str]:
-        return list(self.w)
-
-    def get(self, name: str) -> Any:
-        return self.w[name]
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(w.shape) for n, w in self.w.items()}
 
 
 def gpu_copy_bandwidth() -> float:
@@ -89,7 +81,7 @@ def step_bytes(hf: dict[str, Any], weight_bytes: int, prompt: int, new: int) -> 
 
 
 def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: float) -> dict[str, Any]:
-    from poot_core import StepShape, Tracer, open_executor
+    from poot_core import open_executor
     from poot_family_llama.plugin import DenseDecoder
 
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
@@ -106,12 +98,7 @@ def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidt
     weight_bytes = weights.nbytes()
     capacity = prompt + new
 
-    def program(tokens: int) -> tuple[Any, Any]:
-        shape = StepShape(1, tokens, capacity)
-        t = Tracer(shape, shapes)
-        family.trace(config, t, shape)
-        return ex.prepare(t.graph, weights), t.graph
-
+    program = common.step_programs(family, config, ex, weights, shapes, capacity)
     pre, graph = program(prompt)
     dec, _ = program(1)
     state = ex.allocate_state(graph)
