@@ -387,9 +387,12 @@ def tool_calls_from_text(text: str, tool_choice: Any) -> list[dict[str, Any]]:
     except ValueError as exc:
         raise RequestError(f"the tool call is not complete JSON (was the reply cut short?): {exc}") from exc
     name = _named_tool(tool_choice)
-    pairs = [(name, value)] if name is not None else [(c["name"], c["parameters"]) for c in value]
+    if name is not None:  # the reply is the arguments: kept as generated (vLLM), so a stream of it adds up
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": text.strip()}}]
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": n, "arguments": json.dumps(args)}} for n, args in pairs]
+             "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
+            for c in value]
 
 
 # --- tool calls in a free reply (tool_choice "auto") -------------------------------------------------------

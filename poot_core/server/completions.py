@@ -29,7 +29,7 @@ from poot_core.server.generation import Plan, chat_plan, completion_plans, finis
 from poot_core.server.logprobs import CompletionLogprobs, chat_content
 from poot_core.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from poot_core.server.state import ServerState
-from poot_core.server.tools import ToolStream, deltas, finish, read_calls
+from poot_core.server.tools import ToolStream, finish, read_calls
 from poot_core.text.services import TextServices
 
 router = APIRouter()
@@ -186,9 +186,12 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
             index, item = await merged.get()
             choice = choices[index]
             if isinstance(item, Piece):
-                piece = item.text if choice.tools is None else choice.tools.push(item.text)
+                piece, calls = (item.text, []) if choice.tools is None else choice.tools.push(item.text)
                 logprobs = choice.logprob_block(meta, [] if item.logprobs is None else [item.logprobs])
-                if piece or logprobs is not None:
+                if calls:
+                    yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
+                                       "finish_reason": None}])
+                elif piece or logprobs is not None:
                     yield meta.chunk([_delta(meta, index, piece, None, logprobs)])
             elif isinstance(item, Done):
                 open_ -= 1
@@ -204,7 +207,7 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
                     if rest:
                         yield meta.chunk([_delta(meta, index, rest, None)])
                     if calls:
-                        yield meta.chunk([{"index": index, "delta": {"tool_calls": deltas(calls)}, "logprobs": None,
+                        yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
                                            "finish_reason": None}])
                         reason = finish(choice.tools.tools, calls, reason)
                 left = (generation.logprobs or [])[choice.streamed :]

@@ -1,8 +1,10 @@
 """A chat reply as tool calls: the whole reply at the end, and a stream that shows content until a call may
-begin (poot_core.driver.constraints reads the calls)."""
+begin (poot_core.driver.constraints reads the calls). A stream under a named tool_choice sends the arguments as
+they are generated, as vLLM does (the constrained reply is the arguments); other calls arrive in one delta."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from poot_core.driver.constraints import tool_call_start, tool_calls_from_reply, tool_calls_from_text
@@ -29,30 +31,38 @@ def finish(tools: Tools, calls: list[dict[str, Any]], reason: str) -> str:
 
 
 class ToolStream:
-    """One streamed choice: `push` returns the content that is safe to show now; `end` returns the rest as
-    (content, tool_calls)."""
+    """One streamed choice: `push` returns what a piece of the reply adds to the stream now and `end` the rest,
+    each as (content, tool_calls deltas)."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
+        self.named = isinstance(tools.choice, dict)
         self.text = ""
         self.shown = 0
 
-    def push(self, piece: str) -> str:
+    def push(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.named:
+            if not piece and self.text:
+                return "", []
+            first = not self.text
+            self.text += piece
+            if first:
+                call = {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": self.tools.choice["function"]["name"], "arguments": piece}}
+                return "", [call]
+            return "", [{"index": 0, "function": {"arguments": piece}}]
         self.text += piece
         safe = 0 if self.tools.forced else tool_call_start(self.text, self.tools.format)
         safe = max(safe, self.shown)
         out, self.shown = self.text[self.shown : safe], safe
-        return out
+        return out, []
 
     def end(self) -> tuple[str, list[dict[str, Any]]]:
+        if self.named:
+            return "", []
         content, calls = read_calls(self.tools, self.text)
         if calls:
             shown = self.text[: self.shown]
             rest = (content or "")[len(shown):] if (content or "").startswith(shown) else ""
-            return rest, calls
+            return rest, [{"index": i, **call} for i, call in enumerate(calls)]
         return self.text[self.shown :], []
-
-
-def deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The calls as one stream delta's tool_calls (each with its index)."""
-    return [{"index": i, **call} for i, call in enumerate(calls)]

@@ -175,14 +175,25 @@ def test_penalties_follow_the_openai_formula(client, reference):
 
 
 def test_named_tool_choice_gives_a_tool_call(client):
-    r = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=40, temperature=0,
-                                       tools=[WEATHER, TIME],
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kwargs = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 40, "temperature": 0, "tools": [WEATHER, TIME],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = client.chat.completions.create(**kwargs)
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].type == "function" and calls[0].id
     assert calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
     assert r.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's reason for a named function
+    # streamed: the arguments arrive in fragments as they are generated (vLLM), the first delta names the call
+    fragments, first, reason = [], None, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                assert call.index == 0
+                first = first or call
+                fragments.append(call.function.arguments or "")
+            reason = choice.finish_reason or reason
+    assert first.id and first.type == "function" and first.function.name == "get_weather"
+    assert len(fragments) > 1 and "".join(fragments) == calls[0].function.arguments and reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -290,10 +301,11 @@ def test_a_streamed_hermes_reply_shows_content_until_the_call():
     assert tool_call_start("Let me <tool", "hermes") == len("Let me ")
     assert tool_call_start("  {", "json") == 0 and tool_call_start("Hi {", "json") == 4
     stream = ToolStream(Tools([WEATHER], None, "hermes"))
-    shown = "".join(stream.push(HERMES[i : i + 3]) for i in range(0, len(HERMES), 3))
-    assert shown == "Let me check.\n"
+    pushed = [stream.push(HERMES[i : i + 3]) for i in range(0, len(HERMES), 3)]
+    assert "".join(content for content, _ in pushed) == "Let me check.\n"
+    assert not any(calls for _, calls in pushed)
     rest, calls = stream.end()
-    assert rest == "" and calls[0]["function"]["name"] == "get_weather"
+    assert rest == "" and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     plain = ToolStream(Tools([WEATHER], None, "hermes"))
-    shown = "".join(plain.push(p) for p in ["a <", "b", " c"])
+    shown = "".join(plain.push(p)[0] for p in ["a <", "b", " c"])
     assert shown + plain.end()[0] == "a <b c" and plain.end()[1] == []
