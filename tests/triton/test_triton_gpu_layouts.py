@@ -123,3 +123,34 @@ def test_gemv_replays_in_a_cuda_graph() -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     assert np.isfinite(out.cpu().numpy()).all()
+
+
+# one matrix of each shape class the tile tables are keyed by (tuning.shape_class)
+CLASS_SHAPES = {"square": (3072, 4096), "wide": (8448, 1024), "deep": (2560, 8448)}
+
+
+def _table_cases() -> list:
+    from poot_kernels_triton.tuning import HOPPER_PLANES
+
+    cases = [(source, cls) for source, cls in HOPPER_PLANES if source != "*"]
+    # the ("*", class) rows serve the layouts with no row of their own
+    return cases + [(kind, cls) for kind in ("gguf.Q4_1", "gguf.Q3_K") for cls in CLASS_SHAPES]
+
+
+@pytest.mark.parametrize(("kind", "cls"), _table_cases())
+def test_every_tuned_gemv_tile_on_its_shape_class(kind: str, cls: str) -> None:
+    """The decode GEMV with the tile the H200's table gives this layout and shape class (its own block_k and
+    split), against the float64 reference."""
+    import poot_kernels_triton as ktr
+    from poot_kernels_triton.tuning import shape_class
+    from poot_kernels_triton.weights import to_device
+
+    n, k = CLASS_SHAPES[cls]
+    assert shape_class(n, k) == cls
+    raw = random_weight(kind, n, k, seed=sum(map(ord, kind + cls)))
+    ref = reference(kind, raw)
+    w = to_device(raw, torch.device("cuda"))
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    want = x.double() @ ref.T
+    got = ktr.linear(x, w, out_dtype=torch.float32).double()
+    assert float((got - want).norm() / want.norm()) < 1e-5

@@ -64,31 +64,51 @@ class Tuning:
 
 
 
-def _planes_tile(block_n: int, warps: int, split: int) -> Tile:
-    return Tile(block_n=block_n, block_k=128, num_warps=warps, num_stages=1, split_k=split)
+def _planes_tile(block_n: int, warps: int, split: int, block_k: int = 128) -> Tile:
+    return Tile(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split)
 
 
-# Planes GEMV tiles measured best on the H200 (2026-12-01, `bench/gpu_decode.py --sweep`, Llama-3-8B shapes:
-# q/k/v joined and o are "square", gate/up joined "wide", down "deep") by (source layout, shape class); the
-# ("*", class) rows are the tiles best across the four layouts swept (within 2-6% of each one's best). Tiles
-# of 4 columns a thread (512 columns in 4 warps, 128 in 1) split 32 ways beat the 8-column ones by 20-40%:
-# more loads in flight.
+# Planes GEMV tiles measured best on the H200 (2026-12-01, `bench/gpu_decode.py --sweep` with --sweep-tiles, the
+# Llama-3-8B shapes: q/k/v joined and o are "square" (the tile best for the two together), gate/up joined
+# "wide", down "deep"), by (source layout, shape class). A tile was changed only where it beat the previous
+# one by more than 2%. Steps of 64 inputs (block_k 64: fewer chunks a step, fewer registers, more programs
+# resident) won for most wide and deep matrices, by up to 23% (Q5_0 gate/up); 4 columns a thread (128 columns
+# in 1 warp, 512 in 4) still beat 1-2 columns a thread for the square ones. The ("*", class) rows serve the
+# layouts not swept (Q4_1, Q5_1, Q2_K, Q3_K, IQ4_NL, other GPTQ widths): the tiles best across most swept ones.
 HOPPER_PLANES: dict[tuple[str, str], Tile] = {
     ("gptq.4", "square"): _planes_tile(512, 4, 32),
-    ("gptq.4", "wide"): _planes_tile(512, 4, 32),
-    ("gptq.4", "deep"): _planes_tile(128, 1, 32),
+    ("gptq.4", "wide"): _planes_tile(128, 1, 16, 64),
+    ("gptq.4", "deep"): _planes_tile(128, 1, 32, 64),
+    ("awq.4", "square"): _planes_tile(512, 4, 32),
+    ("awq.4", "wide"): _planes_tile(512, 4, 16),
+    ("awq.4", "deep"): _planes_tile(64, 1, 32, 64),
+    ("fp8.channel", "square"): _planes_tile(64, 1, 32, 64),
+    ("fp8.channel", "wide"): _planes_tile(512, 4, 32),
+    ("fp8.channel", "deep"): _planes_tile(64, 1, 64, 64),
+    ("gguf.IQ4_XS", "square"): _planes_tile(512, 4, 32),
+    ("gguf.IQ4_XS", "wide"): _planes_tile(128, 1, 16, 64),
+    ("gguf.IQ4_XS", "deep"): _planes_tile(128, 1, 32, 64),
+    ("gguf.Q4_0", "square"): _planes_tile(512, 4, 32),
+    ("gguf.Q4_0", "wide"): _planes_tile(128, 1, 32, 64),
+    ("gguf.Q4_0", "deep"): _planes_tile(64, 1, 32, 64),
     ("gguf.Q4_K", "square"): _planes_tile(128, 1, 32),
     ("gguf.Q4_K", "wide"): _planes_tile(512, 2, 16),
-    ("gguf.Q4_K", "deep"): _planes_tile(128, 1, 32),
-    ("gguf.Q6_K", "square"): _planes_tile(512, 4, 32),
-    ("gguf.Q6_K", "wide"): _planes_tile(256, 1, 8),
-    ("gguf.Q6_K", "deep"): _planes_tile(512, 4, 32),
+    ("gguf.Q4_K", "deep"): _planes_tile(64, 1, 64, 64),
+    ("gguf.Q5_0", "square"): _planes_tile(128, 1, 32, 64),
+    ("gguf.Q5_0", "wide"): _planes_tile(128, 1, 16, 64),
+    ("gguf.Q5_0", "deep"): _planes_tile(64, 1, 32, 64),
+    ("gguf.Q5_K", "square"): _planes_tile(128, 1, 32, 64),
+    ("gguf.Q5_K", "wide"): _planes_tile(64, 1, 16, 64),
+    ("gguf.Q5_K", "deep"): _planes_tile(64, 1, 32, 64),
+    ("gguf.Q6_K", "square"): _planes_tile(128, 1, 32, 64),
+    ("gguf.Q6_K", "wide"): _planes_tile(128, 1, 16, 64),
+    ("gguf.Q6_K", "deep"): _planes_tile(128, 1, 32, 64),
     ("gguf.Q8_0", "square"): _planes_tile(512, 4, 32),
-    ("gguf.Q8_0", "wide"): _planes_tile(256, 1, 16),
-    ("gguf.Q8_0", "deep"): _planes_tile(512, 4, 32),
+    ("gguf.Q8_0", "wide"): _planes_tile(128, 1, 16, 64),
+    ("gguf.Q8_0", "deep"): _planes_tile(64, 1, 32, 64),
     ("*", "square"): _planes_tile(512, 4, 32),
-    ("*", "wide"): _planes_tile(512, 4, 32),
-    ("*", "deep"): _planes_tile(512, 4, 32),
+    ("*", "wide"): _planes_tile(128, 1, 16, 64),
+    ("*", "deep"): _planes_tile(64, 1, 32, 64),
 }
 
 _HOPPER = Tuning(
