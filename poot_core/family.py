@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from poot_core.errors import Reason, Unsupported
+from poot_core.errors import CheckpointError, Reason, Unsupported
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,14 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, list | tuple):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def require_key(hf: dict[str, Any], key: str, section: str | None = None) -> Any:
+    """hf[key] of a Hugging Face config.json (or of its `section`, as vision_config), or a CheckpointError
+    naming the key when it is missing or null (null is how configs spell a value they do not give)."""
+    if hf.get(key) is None:
+        raise CheckpointError("config.json", f"missing key {key!r}" + (f" in {section}" if section else ""))
+    return hf[key]
 
 
 class GGUFTensors(Protocol):

@@ -7,7 +7,16 @@ import torch
 import transformers
 
 from helpers import tiny
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, StepShape, open_executor
+from poot_core import (
+    CheckpointError,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    ModelHandle,
+    Registry,
+    StepShape,
+    open_executor,
+)
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 # Longer than prefill_chunk (16) and than the sliding windows (8) of mistral and gemma3.
@@ -77,3 +86,18 @@ def test_back_to_back_weights_are_joined_without_copies(tiny_checkpoint, monkeyp
     monkeypatch.setattr(fusion, "adjacent_groups", lambda nodes, weights: [])
     plain = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=16)).logits(PROMPT)
     assert abs(fused - plain).max() <= 1e-6 * abs(plain).max()
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "vocab_size"])
+@pytest.mark.parametrize("spelling", ["absent", "null"])
+def test_a_missing_config_key_is_refused_by_name(key, spelling):
+    """A key the family needs, absent from config.json or null there, is a CheckpointError naming it (not a
+    TypeError from int(None) further on)."""
+    hf = tiny.tiny_config("llama").to_dict()
+    if spelling == "absent":
+        del hf[key]
+    else:
+        hf[key] = None
+    family = Registry.builtin().resolve("LlamaForCausalLM", "llama")
+    with pytest.raises(CheckpointError, match=f"missing key '{key}'"):
+        family.config_from_hf(hf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poot_core import CheckpointError, ModelConfig, Reason, Unsupported
+from poot_core import CheckpointError, ModelConfig, Reason, Unsupported, require_key
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # RoBERTa-style models number positions from padding_idx + 1 (position padding_idx is the padding slot).
@@ -28,12 +28,6 @@ class EncoderParams:
     classifier: bool  # a sequence-classification checkpoint (cross-encoder)
 
 
-def _need(hf: dict[str, Any], key: str) -> Any:
-    if key not in hf:
-        raise CheckpointError("config.json", f"missing key {key!r}")
-    return hf[key]
-
-
 def params_from_hf(hf: dict[str, Any]) -> EncoderParams:
     model_type = str(hf.get("model_type", "bert"))
     kind = hf.get("position_embedding_type", "absolute")
@@ -42,8 +36,8 @@ def params_from_hf(hf: dict[str, Any]) -> EncoderParams:
     act_name = hf.get("hidden_act", "gelu")
     if act_name not in ACTIVATIONS:
         raise Unsupported(Reason.OPERATION, f"activation {act_name}", f"{model_type} config")
-    hidden = int(_need(hf, "hidden_size"))
-    heads = int(_need(hf, "num_attention_heads"))
+    hidden = int(require_key(hf, "hidden_size"))
+    heads = int(require_key(hf, "num_attention_heads"))
     if heads < 1 or hidden % heads:
         raise CheckpointError("config.json", f"hidden_size {hidden} is not a multiple of {heads} heads")
     offset = int(hf.get("pad_token_id") or 0) + 1 if model_type in OFFSET_POSITIONS else 0
@@ -51,11 +45,11 @@ def params_from_hf(hf: dict[str, Any]) -> EncoderParams:
     classifier = any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs)
     labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
     return EncoderParams(
-        layers=int(_need(hf, "num_hidden_layers")),
+        layers=int(require_key(hf, "num_hidden_layers")),
         hidden=hidden,
         heads=heads,
         head_dim=hidden // heads,
-        intermediate=int(_need(hf, "intermediate_size")),
+        intermediate=int(require_key(hf, "intermediate_size")),
         norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         act=ACTIVATIONS[act_name],
         type_vocab=int(hf.get("type_vocab_size", 2)),
@@ -75,7 +69,7 @@ def model_config(family: str, hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         family=family,
         architecture=str(arch),
-        vocab_size=int(_need(hf, "vocab_size")),
+        vocab_size=int(require_key(hf, "vocab_size")),
         max_positions=positions,
         hidden_size=p.hidden,
         kind="encoder",

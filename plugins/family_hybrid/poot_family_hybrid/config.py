@@ -7,13 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from poot_core import CheckpointError, ModelConfig, Reason, Unsupported, eos_ids, rope_from_hf_config
-
-
-def need(hf: dict[str, Any], key: str) -> Any:
-    if key not in hf:
-        raise CheckpointError("config.json", f"missing key {key!r}")
-    return hf[key]
+from poot_core import CheckpointError, ModelConfig, Reason, Unsupported, eos_ids, require_key, rope_from_hf_config
 
 
 @dataclass
@@ -73,9 +67,9 @@ class MambaHybridParams:
 
 
 def lfm2_params(hf: dict[str, Any]) -> Lfm2Params:
-    layers = int(need(hf, "num_hidden_layers"))
-    hidden = int(need(hf, "hidden_size"))
-    heads = int(need(hf, "num_attention_heads"))
+    layers = int(require_key(hf, "num_hidden_layers"))
+    hidden = int(require_key(hf, "hidden_size"))
+    heads = int(require_key(hf, "num_attention_heads"))
     types = hf.get("layer_types")
     if not types:
         attn = set(hf.get("full_attn_idxs") or range(layers))
@@ -92,7 +86,7 @@ def lfm2_params(hf: dict[str, Any]) -> Lfm2Params:
 
 def mamba2_params(hf: dict[str, Any], prefix: str = "") -> Mamba2Params:
     """Mamba2's own keys, or the hybrids' (prefix "mamba_": mamba_n_heads, mamba_d_head, ...)."""
-    hidden = int(need(hf, "hidden_size"))
+    hidden = int(require_key(hf, "hidden_size"))
     if prefix:
         renamed = {"num_heads": "n_heads", "head_dim": "d_head", "state_size": "d_state", "n_groups": "n_groups",
                    "expand": "expand", "conv_kernel": "d_conv", "chunk_size": "chunk_size",
@@ -100,8 +94,8 @@ def mamba2_params(hf: dict[str, Any], prefix: str = "") -> Mamba2Params:
         hf = {**hf, **{ours: hf[prefix + theirs] for ours, theirs in renamed.items() if prefix + theirs in hf},
               "layer_norm_epsilon": hf.get("rms_norm_eps", 1e-6)}
         if hf.get("head_dim") in (None, "auto"):
-            hf["head_dim"] = int(float(hf.get("expand", 2)) * hidden) // int(need(hf, "num_heads"))
-    heads, head_dim = int(need(hf, "num_heads")), int(need(hf, "head_dim"))
+            hf["head_dim"] = int(float(hf.get("expand", 2)) * hidden) // int(require_key(hf, "num_heads"))
+    heads, head_dim = int(require_key(hf, "num_heads")), int(require_key(hf, "head_dim"))
     inner = int(float(hf.get("expand", 2)) * hidden)
     if heads * head_dim != inner:
         raise CheckpointError("config.json", f"Mamba2 heads x head_dim = {heads * head_dim} is not expand x hidden "
@@ -112,8 +106,8 @@ def mamba2_params(hf: dict[str, Any], prefix: str = "") -> Mamba2Params:
     if not hf.get("rms_norm", True):
         raise Unsupported(Reason.OPERATION, "Mamba2 without its gated RMSNorm", "the mixer's norm is gated")
     low, high = (_float(v) for v in (hf.get("time_step_limit") or (0.0, float("inf"))))
-    return Mamba2Params(layers=int(need(hf, "num_hidden_layers")), hidden=hidden, heads=heads, head_dim=head_dim,
-                        state=int(need(hf, "state_size")), groups=int(hf.get("n_groups", 1)), inner=inner,
+    return Mamba2Params(layers=int(require_key(hf, "num_hidden_layers")), hidden=hidden, heads=heads, head_dim=head_dim,
+                        state=int(require_key(hf, "state_size")), groups=int(hf.get("n_groups", 1)), inner=inner,
                         conv_kernel=int(hf.get("conv_kernel", 4)), chunk=int(hf.get("chunk_size", 256)),
                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), dt_limit=(low, high))
 
@@ -128,8 +122,8 @@ MAMBA_LAYERS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "att
 
 
 def mamba_hybrid_params(hf: dict[str, Any], model_type: str) -> MambaHybridParams:
-    layers = int(need(hf, "num_hidden_layers"))
-    hidden, heads = int(need(hf, "hidden_size")), int(need(hf, "num_attention_heads"))
+    layers = int(require_key(hf, "num_hidden_layers"))
+    hidden, heads = int(require_key(hf, "hidden_size")), int(require_key(hf, "num_attention_heads"))
     types = hf.get("layer_types") or hf.get("layers_block_type")
     if not types:
         attn = set(hf.get("attn_layer_indices") or ())
@@ -169,7 +163,7 @@ def mamba_hybrid_params(hf: dict[str, Any], model_type: str) -> MambaHybridParam
 
 def model_config(family: str, hf: dict[str, Any], params: Any) -> ModelConfig:
     arch = (hf.get("architectures") or [hf.get("model_type", family)])[0]
-    return ModelConfig(family=family, architecture=arch, vocab_size=int(need(hf, "vocab_size")),
+    return ModelConfig(family=family, architecture=arch, vocab_size=int(require_key(hf, "vocab_size")),
                        max_positions=int(hf.get("max_position_embeddings", 1 << 20)), hidden_size=params.hidden,
                        eos_ids=eos_ids(hf.get("eos_token_id")), bos_id=hf.get("bos_token_id"), params=params,
                        source_format="hf", raw=hf)

@@ -13,6 +13,7 @@ from poot_core import (
     ModelConfig,
     Reason,
     Unsupported,
+    require_key,
     rope_from_gguf,
     rope_from_hf_config,
 )
@@ -49,16 +50,10 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
                "gelu": "gelu"}
 
 
-def _need(hf: dict[str, Any], key: str) -> Any:
-    if key not in hf:
-        raise CheckpointError("config.json", f"missing key {key!r}")
-    return hf[key]
-
-
 def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
-    layers = int(_need(hf, "num_hidden_layers"))
-    hidden = int(_need(hf, "hidden_size"))
-    heads = int(_need(hf, "num_attention_heads"))
+    layers = int(require_key(hf, "num_hidden_layers"))
+    hidden = int(require_key(hf, "hidden_size"))
+    heads = int(require_key(hf, "num_attention_heads"))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hidden // heads)
     gemma = model_type.startswith("gemma3")
@@ -84,7 +79,7 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
     partial = float(hf.get("partial_rotary_factor", 1.0))
     return DecoderParams(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=int(_need(hf, "intermediate_size")),
+        intermediate=int(require_key(hf, "intermediate_size")),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         layer_theta=[r[0] for r in ropes], layer_scaling=[r[1] for r in ropes],
         layer_window=[int(window) if t == "sliding_attention" and window else None for t in types],

@@ -5,7 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from poot_core import Family, GGUFKeys, GGUFNames, GGUFTensors, ModelConfig, StepShape, Tracer, eos_ids, hookimpl
+from poot_core import (
+    Family,
+    GGUFKeys,
+    GGUFNames,
+    GGUFTensors,
+    ModelConfig,
+    StepShape,
+    Tracer,
+    eos_ids,
+    hookimpl,
+    require_key,
+)
 from poot_family_llama.config import DecoderParams, model_config, params_from_gguf, params_from_hf
 from poot_family_llama.model import trace_decoder
 
@@ -21,7 +32,7 @@ class DenseDecoder(Family):
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         p = params_from_hf(hf, self.model_type)
         arch = (hf.get("architectures") or [hf.get("model_type", self.name)])[0]
-        return model_config(self.name, arch, p, int(hf["vocab_size"]),
+        return model_config(self.name, arch, p, int(require_key(hf, "vocab_size")),
                             int(hf.get("max_position_embeddings", 2048)), eos_ids(hf.get("eos_token_id")),
                             hf.get("bos_token_id"), "hf", hf)
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from poot_core import CheckpointError, Reason, Unsupported, rope_from_hf_config
+from poot_core import CheckpointError, Reason, Unsupported, require_key, rope_from_hf_config
 
 
 @dataclass
@@ -63,12 +63,6 @@ class MoeParams:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _need(hf: dict[str, Any], key: str) -> Any:
-    if hf.get(key) is None:
-        raise CheckpointError("config.json", f"missing key {key!r}")
-    return hf[key]
-
-
 def _yarn_softmax_factor(scaling: dict[str, Any]) -> float:
     """DeepSeek's YaRN also scales the attention softmax by mscale(factor, mscale_all_dim) squared."""
     m_all = scaling.get("mscale_all_dim") if scaling.get("rope_type", scaling.get("type")) == "yarn" else None
@@ -104,25 +98,25 @@ def _sparse(hf: dict[str, Any], model_type: str, layers: int) -> list[bool]:
 def _routing(hf: dict[str, Any], model_type: str) -> Routing:
     if model_type == "mixtral":
         return Routing(
-            int(_need(hf, "num_local_experts")),
-            int(_need(hf, "num_experts_per_tok")),
-            int(_need(hf, "intermediate_size")),
+            int(require_key(hf, "num_local_experts")),
+            int(require_key(hf, "num_experts_per_tok")),
+            int(require_key(hf, "intermediate_size")),
         )
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        count = hf.get("num_experts") or _need(hf, "num_local_experts")  # transformers 5 writes the latter
+        count = hf.get("num_experts") or require_key(hf, "num_local_experts")  # transformers 5 writes the latter
         return Routing(
             int(count),
-            int(_need(hf, "num_experts_per_tok")),
-            int(_need(hf, "moe_intermediate_size")),
+            int(require_key(hf, "num_experts_per_tok")),
+            int(require_key(hf, "moe_intermediate_size")),
             norm_topk=bool(hf.get("norm_topk_prob")),
             shared_intermediate=int(hf.get("shared_expert_intermediate_size") or 0),
             shared_gate=model_type == "qwen2_moe",
         )
-    shared = int(hf.get("n_shared_experts") or 0) * int(_need(hf, "moe_intermediate_size"))
+    shared = int(hf.get("n_shared_experts") or 0) * int(require_key(hf, "moe_intermediate_size"))
     common = dict(
-        experts=int(_need(hf, "n_routed_experts")),
-        top_k=int(_need(hf, "num_experts_per_tok")),
-        intermediate=int(_need(hf, "moe_intermediate_size")),
+        experts=int(require_key(hf, "n_routed_experts")),
+        top_k=int(require_key(hf, "num_experts_per_tok")),
+        intermediate=int(require_key(hf, "moe_intermediate_size")),
         routed_scale=float(hf.get("routed_scaling_factor") or 1.0),
         shared_intermediate=shared,
     )
@@ -147,9 +141,9 @@ def _routing(hf: dict[str, Any], model_type: str) -> Routing:
 
 
 def params_from_hf(hf: dict[str, Any], model_type: str) -> MoeParams:
-    layers = int(_need(hf, "num_hidden_layers"))
-    hidden = int(_need(hf, "hidden_size"))
-    heads = int(_need(hf, "num_attention_heads"))
+    layers = int(require_key(hf, "num_hidden_layers"))
+    hidden = int(require_key(hf, "hidden_size"))
+    heads = int(require_key(hf, "num_attention_heads"))
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise Unsupported(Reason.OPERATION, f"activation {act}", f"{model_type} config")
@@ -160,10 +154,10 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> MoeParams:
     if model_type.startswith("deepseek"):
         latent = Latent(
             q_rank=hf.get("q_lora_rank"),
-            kv_rank=int(_need(hf, "kv_lora_rank")),
-            nope_dim=int(_need(hf, "qk_nope_head_dim")),
-            rope_dim=int(_need(hf, "qk_rope_head_dim")),
-            v_dim=int(_need(hf, "v_head_dim")),
+            kv_rank=int(require_key(hf, "kv_lora_rank")),
+            nope_dim=int(require_key(hf, "qk_nope_head_dim")),
+            rope_dim=int(require_key(hf, "qk_rope_head_dim")),
+            v_dim=int(require_key(hf, "v_head_dim")),
         )
         head_dim = latent.nope_dim + latent.rope_dim
         # V2 always pairs rope features (0, 1), (2, 3); V3 does when rope_interleave (its default).
@@ -175,7 +169,7 @@ def params_from_hf(hf: dict[str, Any], model_type: str) -> MoeParams:
         heads=heads,
         kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        intermediate=int(_need(hf, "intermediate_size")),
+        intermediate=int(require_key(hf, "intermediate_size")),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         theta=theta,
         scaling=scaling,

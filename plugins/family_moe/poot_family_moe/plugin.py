@@ -18,6 +18,7 @@ from poot_core import (
     Tracer,
     eos_ids,
     hookimpl,
+    require_key,
     split_gguf_name,
     unknown_tensor,
 )
@@ -57,7 +58,8 @@ class MoeDecoder(Family):
             model_type = self.model_type
         p = params_from_hf(hf, model_type)
         arch = (hf.get("architectures") or [model_type])[0]
-        return _model_config(p.model_type, arch, p, int(hf["vocab_size"]), int(hf.get("max_position_embeddings", 2048)),
+        return _model_config(p.model_type, arch, p, int(require_key(hf, "vocab_size")),
+                             int(hf.get("max_position_embeddings", 2048)),
                              hf.get("eos_token_id"), hf.get("bos_token_id"), "hf", hf)
 
     def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poot_core import CheckpointError, ModelConfig, Reason, Unsupported, eos_ids
+from poot_core import ModelConfig, Reason, Unsupported, eos_ids, require_key
 from poot_family_llama.config import ACTIVATIONS, DecoderParams, params_from_hf
 
 
@@ -39,40 +39,37 @@ class VisionLanguageParams:
     image_token_id: int
 
 
-def _need(hf: dict[str, Any], key: str, where: str) -> Any:
-    if key not in hf:
-        raise CheckpointError("config.json", f"missing key {key!r} in {where}")
-    return hf[key]
-
-
 def vision_params(vc: dict[str, Any], scale_factor: int) -> VisionParams:
-    hidden = int(_need(vc, "hidden_size", "vision_config"))
-    heads = int(_need(vc, "num_attention_heads", "vision_config"))
+    hidden = int(require_key(vc, "hidden_size", "vision_config"))
+    heads = int(require_key(vc, "num_attention_heads", "vision_config"))
     act = vc.get("hidden_act", "gelu_pytorch_tanh")
     if act not in ACTIVATIONS:
         raise Unsupported(Reason.OPERATION, f"vision activation {act}", "Idefics3 config")
-    image_size, patch = int(_need(vc, "image_size", "vision_config")), int(_need(vc, "patch_size", "vision_config"))
+    image_size = int(require_key(vc, "image_size", "vision_config"))
+    patch = int(require_key(vc, "patch_size", "vision_config"))
     side = image_size // patch
     if image_size % patch or side % scale_factor:
         raise Unsupported(Reason.SHAPE, f"image size {image_size} with patch {patch} and scale factor {scale_factor}",
                           "the pixel shuffle needs whole patches and a side divisible by the scale factor")
-    return VisionParams(layers=int(_need(vc, "num_hidden_layers", "vision_config")), hidden=hidden, heads=heads,
-                        head_dim=hidden // heads, intermediate=int(_need(vc, "intermediate_size", "vision_config")),
+    layers = int(require_key(vc, "num_hidden_layers", "vision_config"))
+    intermediate = int(require_key(vc, "intermediate_size", "vision_config"))
+    return VisionParams(layers=layers, hidden=hidden, heads=heads, head_dim=hidden // heads, intermediate=intermediate,
                         norm_eps=float(vc.get("layer_norm_eps", 1e-6)), act=ACTIVATIONS[act], image_size=image_size,
                         patch=patch, scale_factor=scale_factor)
 
 
 def model_config(family: str, hf: dict[str, Any]) -> ModelConfig:
-    tc, vc = _need(hf, "text_config", "config.json"), _need(hf, "vision_config", "config.json")
+    tc, vc = require_key(hf, "text_config", "config.json"), require_key(hf, "vision_config", "config.json")
     text_type = str(tc.get("model_type", "llama"))
     if text_type != "llama":
         raise Unsupported(Reason.REGISTRY, f"{family} with a {text_type} text model", "only llama text models so far")
     text = params_from_hf(tc, "llama")
     scale = int(hf.get("scale_factor", 2))
     params = VisionLanguageParams(text=text, vision=vision_params(vc, scale),
-                                  image_token_id=int(_need(hf, "image_token_id", "config.json")))
+                                  image_token_id=int(require_key(hf, "image_token_id", "config.json")))
     arch = (hf.get("architectures") or [hf.get("model_type", family)])[0]
     eos = eos_ids(tc.get("eos_token_id", hf.get("eos_token_id")))
-    return ModelConfig(family=family, architecture=str(arch), vocab_size=int(_need(tc, "vocab_size", "text_config")),
+    vocab = int(require_key(tc, "vocab_size", "text_config"))
+    return ModelConfig(family=family, architecture=str(arch), vocab_size=vocab,
                        max_positions=int(tc.get("max_position_embeddings", 2048)), hidden_size=text.hidden,
                        eos_ids=eos, bos_id=tc.get("bos_token_id"), params=params, source_format="hf", raw=hf)
