@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from helpers import smollm, tiny
-from helpers.paths import ROOT, TESTS
+from helpers.memory import forward_pass_memory
 from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Reason, Unsupported, open_executor
 
 
@@ -64,36 +64,8 @@ def test_resident_memory_stays_near_file_size():
     memory (copies the loader or executor made). Library code paged in on the first compute is file-backed but
     not the model's, so it is left out; it differs between machines by tens of MB.
     """
-    import subprocess
-    import sys
-
-    code = (
-        f"import sys; sys.path.insert(0, {str(TESTS)!r}); from helpers import smollm\n"
-        "from poot_core import ModelHandle, Driver, DriverOptions, open_executor\n"
-        "import poot_core.checkpoint.gguf_load, poot_core.checkpoint.gguf_file, poot_core.text.gguf_vocab\n"
-        "import poot_core.cpu.executor, poot_core.cpu.packed_linear  # code is not load memory\n"
-        "import ctypes, gc\n"
-        "def anonymous():\n"
-        "    gc.collect(); ctypes.CDLL('libc.so.6').malloc_trim(0)  # malloc's kept scratch is not the model\n"
-        "    for line in open('/proc/self/smaps_rollup'):\n"
-        "        if line.startswith('Anonymous:'): return int(line.split()[1]) * 1024\n"
-        "def mapped(path):\n"
-        "    total, inside = 0, False\n"
-        "    for line in open('/proc/self/smaps'):\n"
-        "        head = line.split()\n"
-        "        if head and '-' in head[0] and not head[0].endswith(':'): inside = line.rstrip().endswith(path)\n"
-        "        elif inside and line.startswith('Rss:'): total += int(head[1]) * 1024\n"
-        "    return total\n"
-        "before = anonymous()\n"
-        "h = ModelHandle.load(smollm.gguf_path())\n"
-        "d = Driver(h, open_executor('cpu'), DriverOptions(capacity=64, prefill_chunk=16))\n"
-        "d.logits(h.text().encode('hello'))\n"
-        "print(anonymous() - before, mapped(str(smollm.gguf_path())))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    copied, mapped = (int(v) for v in out.stdout.strip().splitlines()[-1].split())
+    cost = forward_pass_memory(smollm.gguf_path(), "hello")
+    copied, mapped = cost["anonymous"], cost["mapped"]
     size = smollm.gguf_path().stat().st_size
     assert 0 < mapped <= size + os.sysconf('SC_PAGE_SIZE'), (mapped, size)  # the last page is whole
     # Widening even the token embedding alone to bf16 (57 MB) breaks this bound; the model is 135M parameters.
