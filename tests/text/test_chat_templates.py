@@ -118,6 +118,19 @@ def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
 
 
+def reference_ids(hf: PreTrainedTokenizerFast, source: str, messages, tools=None, gen=True) -> list[int]:
+    """transformers' token ids of the conversation, control spellings inside messages kept plain."""
+    return hf.apply_chat_template(
+        messages,
+        tools=tools,
+        chat_template=source,
+        tokenize=True,
+        sanitize_control_tokens=True,
+        return_dict=False,
+        add_generation_prompt=gen,
+    )
+
+
 @cache
 def reference_tokenizer() -> PreTrainedTokenizerFast:
     return hf_tokenizer(train_tokenizer([]))
@@ -349,14 +362,7 @@ def test_ordinary_messages_tokenize_as_the_whole_text(family, sp):
     rendered = compile_template(source).render(messages, bos_token=BOS, eos_token=EOS)
     ids = encode_segments(tok, rendered.segments)
     assert ids == tok.encode(rendered.text, add_special_tokens=False).ids
-    assert ids == hf.apply_chat_template(
-        messages,
-        chat_template=source,
-        tokenize=True,
-        sanitize_control_tokens=True,
-        return_dict=False,
-        add_generation_prompt=True,
-    )
+    assert ids == reference_ids(hf, source, messages)
     assert tok.encode_special_tokens is False  # the tokenizer's flag is left as it was
 
 
@@ -376,14 +382,7 @@ def test_message_cannot_open_a_turn(family, sp):
         assert tok.encode(rendered.text, add_special_tokens=False).ids.count(tok.token_to_id(special)) > written or (
             special not in EVIL
         )  # naive tokenization of the whole text would let the message's spelling in
-    expected = hf.apply_chat_template(
-        messages,
-        chat_template=source,
-        tokenize=True,
-        sanitize_control_tokens=True,
-        return_dict=False,
-        add_generation_prompt=True,
-    )
+    expected = reference_ids(hf, source, messages)
     assert ids == expected
 
 
@@ -418,9 +417,7 @@ def test_tool_arguments_are_message_text(arguments):
     ids = encode_segments(tok, rendered.segments)
     written = rendered.text.count("<|im_start|>") - 1
     assert ids.count(tok.token_to_id("<|im_start|>")) == written
-    expected = hf_tokenizer(tok).apply_chat_template(
-        messages, tools=TOOLS, chat_template=source, tokenize=True, sanitize_control_tokens=True, return_dict=False
-    )
+    expected = reference_ids(hf_tokenizer(tok), source, messages, TOOLS, gen=False)
     assert ids == expected
 
 
@@ -452,14 +449,7 @@ def test_message_cannot_open_a_turn_with_the_real_smollm2_tokenizer():
         ids = encode_segments(tok, rendered.segments)
         written = rendered.text.count("<|im_start|>") - sum(m["content"].count("<|im_start|>") for m in messages)
         assert ids.count(start) == written
-        assert ids == hf.apply_chat_template(
-            messages,
-            chat_template=source,
-            tokenize=True,
-            sanitize_control_tokens=True,
-            return_dict=False,
-            add_generation_prompt=True,
-        )
+        assert ids == reference_ids(hf, source, messages)
 
 
 def test_chat_encoding_leaves_the_shared_tokenizer_alone_for_other_threads():
