@@ -56,6 +56,14 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
     return lambda arch, dtype=torch.float32: _built(tmp_path_factory, moe.build, arch, dtype)
 
 
+@pytest.fixture(scope="session")
+def hybrid_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """hybrid_checkpoint(arch, dtype) -> path of a saved random hybrid checkpoint (helpers.hybrid)."""
+    from helpers import hybrid  # imports transformers: only for the tests that ask
+
+    return lambda arch, dtype=torch.float32: _built(tmp_path_factory, hybrid.build, arch, dtype)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

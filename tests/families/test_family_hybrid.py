@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -35,65 +34,14 @@ ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "bamba"]
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
 CONVERTER = TESTDATA / "llama.cpp" / "convert"
 GGUF_ARCHS = ["lfm2", "mamba2"]
-TOKENIZER_SIZE = 320  # with merges beyond the 256 bytes and 4 specials, as the converter's gpt2 vocabulary needs
-
-
-def hybrid_config(arch: str) -> Any:
-    # the tokenizer's ids (llama.cpp's converter checks them), a multiple of 16 (its Mamba2 pads to one)
-    common: dict[str, Any] = dict(vocab_size=TOKENIZER_SIZE, hidden_size=64, bos_token_id=0, eos_token_id=1,
-                                  pad_token_id=0)
-    if arch == "lfm2":
-        return tf.Lfm2Config(**common, intermediate_size=128, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
-                             tie_word_embeddings=True)
-    if arch == "mamba2":  # 8 heads in 2 groups; a bias on the convolution (LFM2's has none)
-        return tf.Mamba2Config(**common, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16,
-                               n_groups=2, conv_kernel=4, chunk_size=8, use_conv_bias=True,
-                               tie_word_embeddings=False)
-    mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-                 mamba_chunk_size=8, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=512, tie_word_embeddings=False)
-    if arch == "granitemoehybrid":  # the dense Granite 4.0-H: multipliers, no rope, gate and up joined
-        return tf.GraniteMoeHybridConfig(**common, **mamba, intermediate_size=64, shared_intermediate_size=96,
-                                         num_local_experts=0, mamba_n_groups=1, position_embedding_type=None,
-                                         layer_types=["linear_attention", "full_attention", "linear_attention",
-                                                      "linear_attention"],
-                                         embedding_multiplier=12.0, residual_multiplier=0.22,
-                                         attention_multiplier=0.2, logits_scaling=8.0)
-    if arch == "bamba":  # rope on half of each head
-        return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
-    raise ValueError(arch)
-
-
-_BUILT: dict[tuple[str, str], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    def make(arch: str, dtype: torch.dtype = torch.float32) -> Path:
-        key = (arch, str(dtype))
-        if key not in _BUILT:
-            path = tmp_path_factory.mktemp(f"{arch}-{str(dtype).removeprefix('torch.')}")
-            torch.manual_seed(0)
-            model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
-            tiny._randomize(model, 0)
-            model.to(dtype).save_pretrained(path)
-            tiny.save_tokenizer(path, TOKENIZER_SIZE)
-            _BUILT[key] = path
-        return _BUILT[key]
-
-    return make
-
-
 def driver(path: Path, chunk: int = 16) -> Driver:
     return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=chunk))
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers(checkpoint, arch, dtype, bound):
-    path = checkpoint(arch, dtype)
+def test_logits_match_transformers(hybrid_checkpoint, arch, dtype, bound):
+    path = hybrid_checkpoint(arch, dtype)
     ours = driver(path).logits(PROMPT)
     ref = tiny.reference_logits(path, PROMPT)
     assert ours.shape == tuple(ref.shape)
@@ -101,8 +49,8 @@ def test_logits_match_transformers(checkpoint, arch, dtype, bound):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tokens_match_transformers(checkpoint, arch):
-    path = checkpoint(arch)
+def test_greedy_tokens_match_transformers(hybrid_checkpoint, arch):
+    path = hybrid_checkpoint(arch)
     result = driver(path).serve().generate(GenerateRequest(PROMPT[:20], max_new=12, ignore_eos=True))
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -111,10 +59,10 @@ def test_greedy_tokens_match_transformers(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_after_chunked_prefill_equals_one_long_prefill(checkpoint, arch):
+def test_decode_after_chunked_prefill_equals_one_long_prefill(hybrid_checkpoint, arch):
     """Prefill in chunks of 16 then decode step by step: every step's logits are those of one prefill of the
     whole sequence (the state carried across chunks and steps is the state of the sequence)."""
-    path = checkpoint(arch)
+    path = hybrid_checkpoint(arch)
     d = driver(path, chunk=16)
     last = d.prefill_cache(PROMPT)
     tokens, steps = [], []
@@ -129,10 +77,10 @@ def test_decode_after_chunked_prefill_equals_one_long_prefill(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_conversation_continues_from_the_state_and_restarts_otherwise(checkpoint, arch):
+def test_conversation_continues_from_the_state_and_restarts_otherwise(hybrid_checkpoint, arch):
     """A request that extends every cached token continues from the stored state; one that does not starts a
     new sequence from zeroed state. Both give the tokens of a fresh driver."""
-    path = checkpoint(arch)
+    path = hybrid_checkpoint(arch)
     d = driver(path).serve()
     first = d.generate(GenerateRequest(PROMPT[:20], max_new=6, ignore_eos=True))
     follow = PROMPT[:20] + first.tokens[:-1] + PROMPT[20:30]  # the last token was never run
@@ -146,20 +94,20 @@ def test_conversation_continues_from_the_state_and_restarts_otherwise(checkpoint
         assert got.tokens == fresh.tokens
 
 
-def test_state_kinds_of_each_layer(checkpoint):
-    lfm2 = driver(checkpoint("lfm2")).program(StepShape(1, 1, 128)).graph
+def test_state_kinds_of_each_layer(hybrid_checkpoint):
+    lfm2 = driver(hybrid_checkpoint("lfm2")).program(StepShape(1, 1, 128)).graph
     kinds = {name: (spec.kind, spec.shape) for name, spec in lfm2.state.items()}
     assert kinds["conv0"] == ("conv", (1, 64, 2)) and kinds["conv2"] == ("conv", (1, 64, 2))
     assert kinds["k1"][0] == "k" and "conv1" not in kinds and lfm2.recurrent()
-    mamba = driver(checkpoint("mamba2")).program(StepShape(1, 1, 128)).graph
+    mamba = driver(hybrid_checkpoint("mamba2")).program(StepShape(1, 1, 128)).graph
     kinds = {name: (spec.kind, spec.shape) for name, spec in mamba.state.items()}
     assert kinds == {"conv0": ("conv", (1, 128 + 2 * 2 * 16, 3)), "ssm0": ("ssm", (1, 8, 16, 16)),
                      "conv1": ("conv", (1, 192, 3)), "ssm1": ("ssm", (1, 8, 16, 16))}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_paged_layout_and_speculation_are_refused_by_name(checkpoint, arch):
-    path = checkpoint(arch)
+def test_paged_layout_and_speculation_are_refused_by_name(hybrid_checkpoint, arch):
+    path = hybrid_checkpoint(arch)
     with pytest.raises(Unsupported, match="paged layout"):
         driver(path).serve(Layout.PAGED)
     options = DriverOptions(capacity=128, prefill_chunk=16, draft=DraftPolicy.PromptLookup())
@@ -168,8 +116,8 @@ def test_paged_layout_and_speculation_are_refused_by_name(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(checkpoint, arch):
-    graph = driver(checkpoint(arch)).program(StepShape(1, 1, 128)).graph
+def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(hybrid_checkpoint, arch):
+    graph = driver(hybrid_checkpoint(arch)).program(StepShape(1, 1, 128)).graph
     used = sorted(graph.ops() & passes.HYBRID_OPS)
     assert used
     pytest.importorskip("triton")
@@ -183,12 +131,12 @@ def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(checkpoint, arch):
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> the f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint."""
     fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
     made = {arch: root / f"{arch}.gguf" for arch in GGUF_ARCHS}
-    jobs = [{"src": str(checkpoint(arch)), "outtype": "f32", "out": str(out)} for arch, out in made.items()]
+    jobs = [{"src": str(hybrid_checkpoint(arch)), "outtype": "f32", "out": str(out)} for arch, out in made.items()]
     (root / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
@@ -197,16 +145,16 @@ def converted(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
-def test_file_from_llama_cpp_converter_matches_transformers(converted, checkpoint, arch):
-    """The f32 file: logits of a chunked prefill against transformers on the original checkpoint, and greedy
+def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_checkpoint, arch):
+    """The f32 file: logits of a chunked prefill against transformers on the original hybrid_checkpoint, and greedy
     decode steps against transformers' generate."""
     handle = ModelHandle.load(converted[arch])
     assert handle.config().source_format == "gguf"
     d = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
-    ref = tiny.reference_logits(checkpoint(arch), PROMPT)
+    ref = tiny.reference_logits(hybrid_checkpoint(arch), PROMPT)
     assert tiny.rel_error(d.logits(PROMPT), ref) <= 1e-4
     ours = d.serve().generate(GenerateRequest(PROMPT[:20], max_new=8, ignore_eos=True)).tokens
-    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint(arch), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_pretrained(hybrid_checkpoint(arch), dtype=torch.float32)
     out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert ours == out[0, 20:].tolist()

@@ -1,0 +1,50 @@
+"""Tiny random hybrid checkpoints (Hugging Face): LFM2, Mamba2, the dense Granite 4.0-H and Bamba."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as tf
+
+from helpers import tiny
+
+TOKENIZER_SIZE = 320  # with merges beyond the 256 bytes and 4 specials, as the converter's gpt2 vocabulary needs
+
+
+def hybrid_config(arch: str) -> Any:
+    # the tokenizer's ids (llama.cpp's converter checks them), a multiple of 16 (its Mamba2 pads to one)
+    common: dict[str, Any] = dict(vocab_size=TOKENIZER_SIZE, hidden_size=64, bos_token_id=0, eos_token_id=1,
+                                  pad_token_id=0)
+    if arch == "lfm2":
+        return tf.Lfm2Config(**common, intermediate_size=128, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                             tie_word_embeddings=True)
+    if arch == "mamba2":  # 8 heads in 2 groups; a bias on the convolution (LFM2's has none)
+        return tf.Mamba2Config(**common, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16,
+                               n_groups=2, conv_kernel=4, chunk_size=8, use_conv_bias=True,
+                               tie_word_embeddings=False)
+    mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                 mamba_chunk_size=8, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, tie_word_embeddings=False)
+    if arch == "granitemoehybrid":  # the dense Granite 4.0-H: multipliers, no rope, gate and up joined
+        return tf.GraniteMoeHybridConfig(**common, **mamba, intermediate_size=64, shared_intermediate_size=96,
+                                         num_local_experts=0, mamba_n_groups=1, position_embedding_type=None,
+                                         layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"],
+                                         embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.2, logits_scaling=8.0)
+    if arch == "bamba":  # rope on half of each head
+        return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
+    raise ValueError(arch)
+
+
+def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
+    tiny._randomize(model, seed)
+    model.to(dtype).save_pretrained(path)
+    tiny.save_tokenizer(path, TOKENIZER_SIZE)
+    return path
