@@ -8,7 +8,6 @@ seed; any future one goes into the hostile-file tables of test_gguf_file.py / te
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
@@ -17,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from helpers.fuzz import outcome
 from poot_core.checkpoint.gguf_file import GGUFFile
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
 from poot_core.checkpoint.safetensors_file import SafetensorsFile
 from poot_core.errors import PootError
 
-BUDGET_S = 2.0  # one parse of a file this small must never take longer
 EXAMPLES = int(os.environ.get("POOT_FUZZ_EXAMPLES", "200"))  # raise it for a longer hunt
 
 
@@ -86,17 +85,6 @@ def mutate(data: st.DataObject, raw: bytes) -> bytes:
         out[i : i + 8] = word.to_bytes(8, "little")
     cut = data.draw(st.integers(0, len(out)), label="cut")
     return bytes(out[:cut]) if data.draw(st.booleans(), label="truncate") else bytes(out)
-
-
-def outcome(read, path) -> str:
-    start = time.perf_counter()
-    try:
-        read(path)
-        result = "ok"
-    except PootError:
-        result = "error"
-    assert time.perf_counter() - start < BUDGET_S
-    return result
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -24,12 +24,12 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.fuzz import BUDGET_S, outcome
 from poot_core.checkpoint.gguf_file import GGUFFile
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
-from poot_core.errors import CheckpointError, PootError
+from poot_core.errors import CheckpointError
 
-BUDGET_S = 2.0
 MEMORY_BUDGET = 16 << 20  # bytes of Python allocations one open of a tiny file may make
 EXTREMES = [0, 1, 7, 31, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
 
@@ -250,24 +250,13 @@ def _valid(tmp: Path) -> bytes:
     return _VALID["raw"]
 
 
-def _outcome(path: Path) -> str:
-    start = time.perf_counter()
-    try:
-        _open_all(path)
-        result = "ok"
-    except PootError:
-        result = "error"
-    assert time.perf_counter() - start < BUDGET_S
-    return result
-
-
 def test_field_walker_matches_the_writer(tmp_path: Path) -> None:
     raw = _valid(tmp_path)
     fields = header_fields(raw)
     n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
     assert (n_tensors, n_kv) == (4, 5)  # general.architecture is added by the writer
     assert len(fields) > 3 + 2 * n_kv + 4 * n_tensors
-    assert _outcome(_write(tmp_path, raw)) == "ok"
+    assert outcome(_open_all, _write(tmp_path, raw)) == "ok"
 
 
 def _write(tmp: Path, raw: bytes) -> Path:
@@ -288,7 +277,7 @@ def test_fuzz_header_fields(tmp_path: Path, data: st.DataObject) -> None:
         raw[at : at + size] = value.to_bytes(size, "little")
     if data.draw(st.booleans()):
         raw = raw[: data.draw(st.integers(0, len(raw)))]
-    _outcome(_write(tmp_path, bytes(raw)))
+    outcome(_open_all, _write(tmp_path, bytes(raw)))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -301,4 +290,4 @@ def test_fuzz_bytes_and_truncation(tmp_path: Path, data: st.DataObject) -> None:
         chunk = data.draw(st.binary(min_size=1, max_size=8))
         raw[at : at + len(chunk)] = chunk
     cut = data.draw(st.one_of(st.none(), st.integers(0, len(raw))))
-    _outcome(_write(tmp_path, bytes(raw if cut is None else raw[:cut])))
+    outcome(_open_all, _write(tmp_path, bytes(raw if cut is None else raw[:cut])))
