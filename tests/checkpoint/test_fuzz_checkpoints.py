@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from hypothesis import HealthCheck, given, settings
@@ -87,24 +88,20 @@ def mutate(data: st.DataObject, raw: bytes) -> bytes:
     return bytes(out[:cut]) if data.draw(st.booleans(), label="truncate") else bytes(out)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_fuzz_gguf(tmp_path, data) -> None:
-    good = tmp_path / "good.gguf"
-    raw = good.read_bytes() if good.exists() else small_gguf(good)
-    path = tmp_path / "fuzz.gguf"
-    path.write_bytes(mutate(data, raw))
-    outcome(read_everything_gguf, path)
+# suffix -> (writes the valid file and returns its bytes, reads every tensor of a file)
+FORMATS = {"gguf": (small_gguf, read_everything_gguf), "safetensors": (small_safetensors, read_everything_safetensors)}
 
 
+@pytest.mark.parametrize("suffix", list(FORMATS))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzz_safetensors(tmp_path, data) -> None:
-    good = tmp_path / "good.safetensors"
-    raw = good.read_bytes() if good.exists() else small_safetensors(good)
-    path = tmp_path / "fuzz.safetensors"
+def test_fuzz_mutated_file(tmp_path, suffix, data) -> None:
+    write_valid, read_everything = FORMATS[suffix]
+    good = tmp_path / f"good.{suffix}"
+    raw = good.read_bytes() if good.exists() else write_valid(good)
+    path = tmp_path / f"fuzz.{suffix}"
     path.write_bytes(mutate(data, raw))
-    outcome(read_everything_safetensors, path)
+    outcome(read_everything, path)
 
 
 @settings(max_examples=100, deadline=None)
