@@ -27,6 +27,16 @@ def getter(tensors: dict[str, np.ndarray | torch.Tensor]):
 
 
 
+def check_against(w, ref: np.ndarray, part: slice, rows: int) -> None:
+    """w dequantizes to ref [out, in] (as a whole and the rows of `part`), and packed_linear of `rows` random
+    inputs is the matmul with ref."""
+    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(dequantize(w, part).numpy(), ref[part], rtol=1e-6)
+    x = torch.randn(rows, ref.shape[1])
+    expect = x @ torch.from_numpy(ref).float().T
+    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, -1])
 @pytest.mark.parametrize("desc_act", [False, True])
@@ -53,11 +63,7 @@ def test_gptq(bits: int, group_size: int, desc_act: bool, sym: bool) -> None:
     w = packed_from_safetensors(getter(tensors), "l", cfg)
     assert w is not None and w.shape == (out_f, in_f) and w.kind == f"gptq.{bits}" and w.kind in supported_kinds()
     ref = ((q - zero[g_idx]) * scales[g_idx].astype(np.float32)).T
-    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
-    np.testing.assert_allclose(dequantize(w, slice(8, 40)).numpy(), ref[8:40], rtol=1e-6)
-    x = torch.randn(3, in_f)
-    expect = x @ torch.from_numpy(ref).float().T
-    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+    check_against(w, ref, slice(8, 40), 3)
 
 
 def test_gptq_v2_has_no_plus_one_and_g_idx_may_be_absent() -> None:
@@ -94,11 +100,7 @@ def test_awq_gemm(group_size: int) -> None:
     assert w is not None and w.kind == "awq.4" and w.shape == (out_f, in_f)
     g = np.arange(in_f) // group_size
     ref = ((q - zero[g]) * scales[g].astype(np.float32)).T
-    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
-    np.testing.assert_allclose(dequantize(w, slice(5, 29)).numpy(), ref[5:29], rtol=1e-6)
-    x = torch.randn(2, in_f)
-    expect = x @ torch.from_numpy(ref).float().T
-    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+    check_against(w, ref, slice(5, 29), 2)
 
 
 
@@ -139,11 +141,7 @@ def test_fp8(kind: str) -> None:
         }
     w = packed_from_safetensors(getter(tensors), "p", cfg)
     assert w is not None and w.kind == f"fp8.{kind.removesuffix('-hf')}" and w.kind in supported_kinds()
-    np.testing.assert_allclose(dequantize(w).numpy(), ref, rtol=1e-6)
-    np.testing.assert_allclose(dequantize(w, slice(120, 140)).numpy(), ref[120:140], rtol=1e-6)
-    x = torch.randn(2, in_f)
-    expect = x @ torch.from_numpy(ref).T
-    torch.testing.assert_close(packed_linear(x, w), expect, rtol=1e-5, atol=1e-5 * expect.abs().max().item())
+    check_against(w, ref, slice(120, 140), 2)
 
 
 def test_unquantized_layer_is_none_and_bad_parts_are_typed_errors() -> None:
