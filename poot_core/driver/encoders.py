@@ -121,15 +121,9 @@ class _EncoderBase:
         return cls.from_handle(handle, executor, rows, options, max_length=max_length)
 
     @classmethod
-    def from_handle(
-        cls,
-        handle: ModelHandle,
-        executor: Executor | BackendChoice | str | None = None,
-        rows: int = 8,
-        options: LoadOptions | None = None,
-        *,
-        max_length: int | None = None,
-    ) -> Self:
+    def from_handle(cls, handle: ModelHandle, *args: Any, **kwargs: Any) -> Self:
+        """The encoder over an opened checkpoint; each encoder defines it with load's arguments (executor, rows,
+        options, max_length)."""
         raise NotImplementedError
 
     @property
