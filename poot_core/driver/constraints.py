@@ -23,14 +23,14 @@ import json
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from poot_core.errors import RequestError
+from poot_core.errors import PootError, RequestError
 
 if TYPE_CHECKING:
     import tokenizers
@@ -120,6 +120,7 @@ class Constraint:
 
 
 def _first_line(message: str) -> str:
+    message = message.split("<state>", 1)[0]  # llguidance appends its parser state to a runtime error
     return " ".join(message.strip().split())[:500]
 
 
@@ -189,8 +190,21 @@ class Matcher:
         self._mask: np.ndarray | None = None  # bool [vocab]: the allowed tokens in the current state
         self._pending: Future[np.ndarray] | None = None
 
+    def _lib(self, what: str, call: Callable[[], Any]) -> Any:
+        """A call into the library: whatever it raises becomes a RequestError, so that a failing constraint ends
+        only its own request (the serving engine catches poot's errors per request)."""
+        try:
+            return call()
+        except PootError:
+            raise
+        except Exception as exc:  # the library's own error types, or a bug in it
+            raise RequestError(f"the constraint failed in {what}: {type(exc).__name__}: {exc}") from exc
+
     def _compute(self) -> np.ndarray:
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)  # one bit per token, little-endian words
+        raw = self._lib("compute_bitmask", self._m.compute_bitmask)
+        if self._lib("is_error", self._m.is_error):  # llguidance then allows only end-of-sequence: not a reply
+            raise RequestError(f"the constraint failed{self._why()}")
+        bits = np.frombuffer(raw, dtype=np.uint8)  # one bit per token, little-endian words
         allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if not self._allow_eos and self._eos.size:
             allowed[self._eos] = False
@@ -222,37 +236,42 @@ class Matcher:
         return np.where(allowed, logits, -np.inf)
 
     def _why(self) -> str:
-        error = self._m.get_error()
+        try:
+            error = self._m.get_error()
+        except Exception:  # noqa: BLE001 - only the message is lost
+            return ""
         return f": {_first_line(error)}" if error else ""
 
     def advance(self, token: int) -> None:
         self._settle()
-        if not self._m.consume_token(int(token)):
+        if not self._lib("consume_token", lambda: self._m.consume_token(int(token))):
             raise RequestError(f"token {token} breaks the constraint{self._why()}")
         self._mask = None
 
     def rollback(self, n: int) -> None:
         """Forget the last n accepted tokens."""
         self._settle()
-        if n and not self._m.rollback(n):
+        if n and not self._lib("rollback", lambda: self._m.rollback(n)):
             raise RequestError(f"cannot roll the constraint back by {n} tokens{self._why()}")
         self._mask = None
 
     def validate(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the constraint accepts from the current state (the state is kept)."""
         self._settle()
-        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+        if not tokens:
+            return 0
+        return int(self._lib("validate_tokens", lambda: self._m.validate_tokens([int(t) for t in tokens])))
 
     @property
     def done(self) -> bool:
         """The grammar is complete and admits no further token but end-of-sequence."""
         self._settle()
-        return bool(self._m.is_stopped())
+        return bool(self._lib("is_stopped", self._m.is_stopped))
 
     @property
     def accepting(self) -> bool:
         self._settle()
-        return bool(self._m.is_accepting())
+        return bool(self._lib("is_accepting", self._m.is_accepting))
 
     # --- speculative decoding -------------------------------------------------------------------------
     def trim(self, proposal: Proposal) -> Proposal:
@@ -291,7 +310,12 @@ def compile_constraint(constraint: Constraint, tokenizer: tokenizers.Tokenizer, 
     matcher = LLMatcher(info, constraint.grammar_text(), log_level=0)
     if matcher.is_error():
         raise RequestError(f"{constraint.describe()} does not compile: {_first_line(matcher.get_error())}")
-    return Matcher(matcher, vocab_size, eos, allow_eos)
+    out = Matcher(matcher, vocab_size, eos, allow_eos)
+    try:  # the first mask now (it is needed first anyway): a constraint no text can satisfy is refused here
+        out.allowed()
+    except RequestError as exc:
+        raise RequestError(f"{constraint.describe()} admits no reply: {exc}") from None
+    return out
 
 
 # --- OpenAI's and vLLM's request fields ---------------------------------------------------------------------
@@ -315,26 +339,58 @@ def from_response_format(response_format: Mapping[str, Any] | None) -> Constrain
 
 _GUIDED = {"json": Constraint.json_schema, "regex": Constraint.regex, "choice": Constraint.choice,
            "grammar": Constraint.grammar}
+# vLLM's fields that would change the reply in ways llguidance's defaults here do not follow: refused by name
+_GUIDED_UNSUPPORTED = ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
+                       "disable_additional_properties")
+# ... and those that only pick a backend or its fallback (nothing to pick here): ignored
+_GUIDED_IGNORED = ("disable_fallback", "_backend", "_backend_was_auto")
+
+
+def guided_fields(fields: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """(the field as the request spells it, the constraint kind, its value) for every vLLM structured-output
+    field given: structured_outputs={"json"|"regex"|"choice"|"grammar": ..., "json_object": true} (vLLM 0.12+),
+    or the older top-level guided_json, guided_regex, guided_choice, guided_grammar. A field poot cannot honour
+    (structural_tag, whitespace_pattern, ...) is a RequestError naming it."""
+    given: list[tuple[str, str, Any]] = []
+    nested = fields.get("structured_outputs")
+    if nested is not None and not isinstance(nested, Mapping):
+        raise RequestError(f"structured_outputs is an object, got {type(nested).__name__}")
+    for key, value in (nested or {}).items():
+        if value is None or value is False:
+            continue
+        if key in _GUIDED:
+            given.append((f"structured_outputs.{key}", key, value))
+        elif key == "json_object":
+            given.append(("structured_outputs.json_object", "json_object", True))
+        elif key not in _GUIDED_IGNORED:
+            raise RequestError(f"structured_outputs.{key} is not supported"
+                               if key in _GUIDED_UNSUPPORTED else f"structured_outputs.{key} is not a field")
+    for key, value in fields.items():
+        kind = key.removeprefix("guided_")
+        if not key.startswith("guided_") or value is None:
+            continue
+        if kind in _GUIDED:
+            given.append((key, kind, value))
+        elif kind in _GUIDED_UNSUPPORTED:
+            raise RequestError(f"{key} is not supported")
+    if fields.get("structural_tag") is not None:
+        raise RequestError("structural_tag is not supported")
+    return given
 
 
 def from_guided(fields: Mapping[str, Any]) -> Constraint | None:
-    """vLLM's spellings in `extra_body`: structured_outputs={"json"|"regex"|"choice"|"grammar": ...,
-    "json_object": true}, or the older guided_json, guided_regex, guided_choice, guided_grammar. More than one
-    is refused."""
-    given: list[tuple[str, Any]] = []
-    nested = fields.get("structured_outputs")
-    if isinstance(nested, Mapping):
-        given += [(k, v) for k, v in nested.items() if k in _GUIDED and v is not None]
-        if nested.get("json_object"):
-            given.append(("json_object", True))
-    given += [(k.removeprefix("guided_"), v) for k, v in fields.items()
-              if k.startswith("guided_") and k.removeprefix("guided_") in _GUIDED and v is not None]
+    """The Constraint of vLLM's structured-output fields (guided_fields), None without one; more than one is
+    refused, and a value that is not a schema, regex, choice or grammar is a RequestError naming its field."""
+    given = guided_fields(fields)
     if not given:
         return None
     if len(given) > 1:
-        raise RequestError(f"give one structured output field, got {', '.join(k for k, _ in given)}")
-    kind, value = given[0]
-    return Constraint.json_object() if kind == "json_object" else _GUIDED[kind](value)
+        raise RequestError(f"give one structured output field, got {', '.join(f for f, _, _ in given)}")
+    field, kind, value = given[0]
+    try:
+        return Constraint.json_object() if kind == "json_object" else _GUIDED[kind](value)
+    except RequestError as exc:
+        raise RequestError(f"{field}: {exc}") from None
 
 
 def _tool_functions(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:

@@ -278,14 +278,20 @@ class ServingDriver:
             req = self._requests[seq.id]
             if self.keep_logits:
                 self.logits[seq.id].append(logits[slot].copy())
-            row = logits[slot] if req.constraint is None else req.constraint.apply(logits[slot])
-            token = req.request.sampler.sample(row, seq.tokens, req.prompt_len)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = token_logprobs(row, token, req.request.logprobs or 0)
-                req.logprobs.append(logprobs)
-            events.extend(self._accept(req, token, logprobs))
+            try:
+                events.extend(self._pick(req, logits[slot]))
+            except PootError as exc:  # this request's own failure (its constraint allows no token, or failed):
+                events.extend(self._finish(req, "error", exc))  # it ends; the step's other rows go on
         return events
+
+    def _pick(self, req: _Request, logits: np.ndarray) -> list[Event]:
+        row = logits if req.constraint is None else req.constraint.apply(logits)
+        token = req.request.sampler.sample(row, req.seq.tokens, req.prompt_len)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = token_logprobs(row, token, req.request.logprobs or 0)
+            req.logprobs.append(logprobs)
+        return self._accept(req, token, logprobs)
 
     def _accept(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
         """One new token through the path Driver.generate takes: eos, stop strings, callback, limits."""
@@ -307,8 +313,13 @@ class ServingDriver:
             return events + self._finish(req, "stop")
         if control is GenerationControl.BREAK:
             return events + self._finish(req, "callback")
-        if req.constraint is not None and req.constraint.done:  # the constraint is complete
-            return events + self._finish(req, "eos", flush=True)
+        if req.constraint is not None:
+            try:
+                complete = req.constraint.done
+            except PootError as exc:  # the piece above still goes out before the error
+                return events + self._finish(req, "error", exc)
+            if complete:  # the constraint admits nothing more
+                return events + self._finish(req, "eos", flush=True)
         if len(req.generated) >= req.limit:
             return events + self._finish(req, "length")
         return events

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import smollm
+from helpers.constraint_doubles import HOWS, fail_after
 from poot_core import (
     Constraint,
     DraftPolicy,
@@ -36,6 +37,7 @@ from poot_core import (
 )
 from poot_core.driver import constraints
 from poot_core.driver.constraints import compile_constraint
+from poot_core.driver.engine import FinishedEvent
 
 TINY_NEW = 240  # above the longest reply any tiny-model schema below admits, in tokens (one byte or more each)
 
@@ -418,6 +420,63 @@ def test_engine_refuses_before_queueing(tiny):
     assert engine.in_flight == 0
 
 
+def test_a_constraint_no_text_satisfies_is_refused_before_any_token(tiny, tiny_driver):
+    """An empty character class compiles, but llguidance's first mask is an error state (it would allow only
+    end-of-sequence, an empty reply the regex does not match): refused when the request is taken."""
+    never = Constraint.regex(r"[^\x00-\U0010FFFF]")
+    never.check()  # the grammar itself is well formed
+    with pytest.raises(RequestError, match="admits no reply"):
+        tiny_driver.generate(GenerateRequest(_tiny_prompt(tiny), 8, constraint=never))
+    engine = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=64, kv_blocks=16, block_size=8)).serve(
+        Layout.PAGED)
+    with pytest.raises(RequestError, match="admits no reply"):
+        engine.submit(GenerateRequest(_tiny_prompt(tiny), 8, constraint=never))
+    assert engine.in_flight == 0
+
+
+AFTER = 3  # tokens the failing constraint takes before it fails
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_failing_constraint_ends_only_its_own_request(tiny, monkeypatch, how):
+    """A constrained request whose matcher (a test double, helpers/constraint_doubles.py) stops allowing any token
+    (or raises) mid-generation, batched with two unconstrained requests: it alone finishes with reason "error" and
+    the error; the other two give exactly the tokens they give alone, and the pool is whole at the end."""
+    ex = open_executor("cpu")
+    solo = Driver(tiny, ex, DriverOptions(capacity=320, prefill_chunk=16)).serve()
+    engine = Driver(tiny, ex, DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=128,
+                                            step_tokens=64, max_running=4)).serve(Layout.PAGED)
+    schema = TINY_SCHEMAS[1]
+
+    def requests():
+        return [GenerateRequest(_tiny_prompt(tiny, 0), 24, Sampler.greedy(), ignore_eos=True),
+                GenerateRequest(_tiny_prompt(tiny, 1), TINY_NEW, _sampled(3),
+                                constraint=Constraint.json_schema(schema)),
+                GenerateRequest(_tiny_prompt(tiny, 2), 24, _sampled(11), ignore_eos=True)]
+
+    alone = [solo.generate(r) for r in requests()]
+    assert len(alone[1].tokens) > AFTER + 1
+    real = engine.driver.constraint_matcher
+    monkeypatch.setattr(engine.driver, "constraint_matcher", lambda request: fail_after(real(request), AFTER, how))
+    ids = [engine.submit(r) for r in requests()]
+    finished, step = {}, 0
+    while len(finished) < len(ids):
+        step += 1
+        for event in engine.step():
+            if isinstance(event, FinishedEvent):
+                finished[event.request_id] = (step, event)
+    a, bad, c = (finished[i] for i in ids)
+    assert bad[1].reason == "error" and isinstance(bad[1].error, RequestError), bad[1]
+    assert re.search("allows no next token" if how == "empty" else "the constraint failed", str(bad[1].error))
+    assert bad[0] < a[0] and bad[0] < c[0]  # it failed while the others were still in the same steps
+    tokens = bad[1].generation.tokens
+    assert len(tokens) == AFTER + (how == "consume") and tokens == alone[1].tokens[: len(tokens)]
+    for (_, event), ref in ((a, alone[0]), (c, alone[2])):
+        assert event.reason == "length" and event.error is None
+        assert (event.generation.tokens, event.generation.text) == (ref.tokens, ref.text)
+    assert engine.in_flight == 0 and engine.pool.held == 0
+
+
 # --- the server's helpers: response_format, vLLM's guided fields, forced tool calls -----------------------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
               "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -467,5 +526,19 @@ def test_openai_and_vllm_fields_map_to_constraints():
             constraints.from_response_format(bad)
     with pytest.raises(RequestError, match="one structured output"):
         constraints.from_guided({"guided_regex": "a", "guided_choice": ["a"]})
+    with pytest.raises(RequestError, match="structured_outputs.choice, guided_json"):
+        constraints.from_guided({"guided_json": schema, "structured_outputs": {"choice": ["a"]}})
+    assert constraints.from_guided({"structured_outputs": {"json": json.dumps(schema), "disable_fallback": True},
+                                    "guided_decoding_backend": "xgrammar"}) == Constraint.json_schema(schema)
+    assert [f for f, _, _ in constraints.guided_fields({"guided_grammar": "x", "guided_choice": None})] == [
+        "guided_grammar"]
+    for bad, words in (({"guided_regex": 5}, "guided_regex: a regex is a string"),
+                       ({"structured_outputs": {"choice": []}}, "structured_outputs.choice: a choice needs"),
+                       ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+                       ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),
+                       ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn is not a field"),
+                       ({"structured_outputs": "json"}, "structured_outputs is an object")):
+        with pytest.raises(RequestError, match=words):
+            constraints.from_guided(bad)
     with pytest.raises(RequestError, match="not one of the tools"):
         constraints.tool_call_constraint(TOOLS, {"type": "function", "function": {"name": "nope"}})
