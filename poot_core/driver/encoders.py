@@ -121,10 +121,25 @@ class _EncoderBase:
         return cls.from_handle(handle, executor, rows, options, max_length=max_length)
 
     @classmethod
-    def from_handle(cls, handle: ModelHandle, *args: Any, **kwargs: Any) -> Self:
-        """The encoder over an opened checkpoint; each encoder defines it with load's arguments (executor, rows,
-        options, max_length)."""
-        raise NotImplementedError
+    def from_handle(
+        cls,
+        handle: ModelHandle,
+        executor: Executor | BackendChoice | str | None = None,
+        rows: int = 8,
+        options: LoadOptions | None = None,
+        *,
+        max_length: int | None = None,
+    ) -> Self:
+        """The encoder over a checkpoint already opened; `options`' manifest covers the files it reads beyond
+        the handle's. `max_length` defaults as `_read` says."""
+        extra, limit = cls._read(handle, options or LoadOptions())
+        return cls(handle, _open(executor), rows, *extra, max_length or limit)
+
+    @classmethod
+    def _read(cls, handle: ModelHandle, options: LoadOptions) -> tuple[tuple[Any, ...], int]:
+        """What this encoder reads beside the handle: its constructor's arguments between rows and max_length,
+        and the default max_length (here: none, and the model's positions)."""
+        return (), handle.config().max_positions
 
     @property
     def executor_name(self) -> str:
@@ -164,27 +179,18 @@ class SentenceEncoder(_EncoderBase):
         self.pooling = pooling
 
     @classmethod
-    def from_handle(
-        cls,
-        handle: ModelHandle,
-        executor: Executor | BackendChoice | str | None = None,
-        rows: int = 8,
-        options: LoadOptions | None = None,
-        *,
-        max_length: int | None = None,
-    ) -> SentenceEncoder:
-        """The encoder over a checkpoint already opened (its directory holds the sentence-transformers files):
-        reads modules.json and the pooling module's config.json the way sentence-transformers does (through
-        `options`' manifest). `max_length` defaults to sentence_bert_config.json's max_seq_length, else the
-        model's positions."""
+    def _read(cls, handle: ModelHandle, options: LoadOptions) -> tuple[tuple[Any, ...], int]:
+        """The pooling mode, from modules.json and the pooling module's config.json read the way
+        sentence-transformers reads them; the default max_length is sentence_bert_config.json's max_seq_length,
+        else the model's positions."""
         root = Path(handle.path)
-        access = FileAccess(root, (options or LoadOptions()).manifest())
+        access = FileAccess(root, options.manifest())
         pooling = _pooling(root, access)
         st = _read_json(access, root / "sentence_bert_config.json")
         limit = handle.config().max_positions
         if isinstance(st, dict) and st.get("max_seq_length"):
             limit = int(st["max_seq_length"])
-        return cls(handle, _open(executor), rows, pooling, max_length or limit)
+        return (pooling,), limit
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [len(texts), D], each row L2-normalized. At most `rows` texts per call."""
@@ -281,20 +287,6 @@ class CrossEncoder(_EncoderBase):
         # The head is small: float32 copies on the host, applied to the first token's hidden state.
         self._head = [(_f32(store.get(w)), None if b is None else _f32(store.get(b)), act) for w, b, act in steps]
         super().__init__(handle, executor, rows, max_length)
-
-    @classmethod
-    def from_handle(
-        cls,
-        handle: ModelHandle,
-        executor: Executor | BackendChoice | str | None = None,
-        rows: int = 8,
-        options: LoadOptions | None = None,
-        *,
-        max_length: int | None = None,
-    ) -> CrossEncoder:
-        """The reranker over a checkpoint already opened (it reads no file beyond the handle's, so `options`
-        is unused); pairs are truncated to `max_length` tokens (default: the model's positions)."""
-        return cls(handle, _open(executor), rows, max_length or handle.config().max_positions)
 
     @staticmethod
     def serves(handle: ModelHandle) -> bool:
