@@ -44,7 +44,7 @@ from poot_core.executor import (
     open_executor,
     require_ops,
 )
-from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig, eos_ids, require_key
+from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig, StoredWeights, eos_ids, require_key
 from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_tensor
 from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
 from poot_core.moe import Expert, by_expert, choose_experts, expert_view, experts_of
@@ -67,5 +67,5 @@ __all__ = [
     "CrossEncoder", "SentenceEncoder", "MissingTensor", "Ref", "StateRef", "ValueRef", "WeightRef",
     "AttentionSpec", "attention_block", "gated_mlp", "projection", "Parts", "DerivedWeight", "GGUFTensors",
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
-    "DraftPolicy", "Constraint", "require_key",
+    "DraftPolicy", "Constraint", "require_key", "StoredWeights",
 ]

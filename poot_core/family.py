@@ -84,6 +84,18 @@ class GGUFTensors(Protocol):
 DerivedWeight = tuple[Callable[[], "Weight"], tuple[int, ...]]
 
 
+class StoredWeights(Protocol):
+    """The tensors of a Hugging Face checkpoint by their stored names, as a family sees them after its config."""
+
+    def names(self) -> list[str]: ...
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def get(self, name: str) -> Weight:
+        """The tensor as stored (memory-mapped), or a PackedWeight for quantized checkpoints."""
+        ...
+
+
 class Family(ABC):
     """Base class of a model family. Subclasses set `name` and `architectures`, implement `trace`, and the
     config readers of the formats they serve (the others refuse with a typed error)."""
@@ -122,6 +134,11 @@ class Family(ABC):
 
     def gguf_derived_weights(self, config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
         """Weights `trace` reads that the file stores split differently (DeepSeek's attn_k_b/attn_v_b)."""
+        return {}
+
+    def hf_derived_weights(self, config: ModelConfig, store: StoredWeights) -> dict[str, DerivedWeight]:
+        """Weights `trace` reads that a Hugging Face checkpoint stores joined (Granite's stacked experts keep
+        gate and up in one tensor): views of the stored tensors where they can be."""
         return {}
 
     @abstractmethod

@@ -36,6 +36,8 @@ def load_hf(root: Path, registry: Registry, options: LoadOptions) -> Parts:
             config.eos_ids = tuple(dict.fromkeys((*config.eos_ids, *(int(e) for e in extra))))
     vocab = vocabulary_from_hf(root, access, config)
     store = open_store(root, access, hf.get("quantization_config"), family)
+    for name, (make, shape) in family.hf_derived_weights(config, store).items():
+        store.add(name, make, shape)
     _check_shapes(root, store)
     return Parts(root, family, config, TextServices(vocab), store, access.read)
 

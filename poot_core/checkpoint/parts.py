@@ -14,6 +14,7 @@ from typing import Any
 
 from poot_core.checkpoint.integrity import Manifest
 from poot_core.checkpoint.layouts import Weight, weight_nbytes
+from poot_core.errors import CheckpointError
 from poot_core.family import Family, ModelConfig
 
 # The values of LoadOptions.cpu_activations.
@@ -54,6 +55,12 @@ class WeightStore:
 
     def names(self) -> list[str]:
         return list(self._loaders)
+
+    def add(self, name: str, loader: Callable[[], Weight], shape: tuple[int, ...]) -> None:
+        """A derived weight (Family.hf_derived_weights); a stored tensor of that name is an error."""
+        if name in self._loaders:
+            raise CheckpointError(name, "a derived weight has the name of a stored tensor")
+        self._loaders[name], self._shapes[name] = loader, shape
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
