@@ -12,7 +12,7 @@ import transformers
 
 from helpers import smollm, tiny
 from helpers.memory import forward_pass_memory
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Reason, Unsupported, open_executor
+from poot_core import Driver, DriverOptions, ModelHandle, Reason, Unsupported, open_executor
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,8 @@ def test_logits_match_transformers_on_the_same_file(handle, reference):
 @pytest.mark.parametrize("prompt", smollm.PROMPTS)
 def test_greedy_32_tokens_match_transformers(handle, reference, prompt):
     ids = handle.text().encode(prompt)
-    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=64)).serve()
-    ours = driver.generate(GenerateRequest(ids, max_new=32, ignore_eos=True)).tokens
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-    assert ours == out[0, len(ids):].tolist()
+    ours, theirs = smollm.greedy_tokens(handle, reference, ids)
+    assert ours == theirs
 
 
 def test_resident_memory_stays_near_file_size():

@@ -9,7 +9,7 @@ import transformers
 
 from helpers import smollm, tiny
 from helpers.memory import forward_pass_memory
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor
+from poot_core import Driver, DriverOptions, ModelHandle, open_executor
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,8 @@ def test_greedy_32_tokens_match_transformers(hf_f32, reference, prompt):
     handle = ModelHandle.load(hf_f32)
     ids = handle.text().encode(prompt)
     assert ids == transformers.AutoTokenizer.from_pretrained(hf_f32)(prompt)["input_ids"]
-    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=64)).serve()
-    ours = driver.generate(GenerateRequest(ids, max_new=32, ignore_eos=True)).tokens
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-    assert ours == out[0, len(ids):].tolist()
+    ours, theirs = smollm.greedy_tokens(handle, reference, ids)
+    assert ours == theirs
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +20,19 @@ from helpers.paths import ROOT
 CACHE = ROOT / ".cache" / "models"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def greedy_tokens(handle: Any, reference: Any, ids: list[int], new: int = 32) -> tuple[list[int], list[int]]:
+    """(poot's, transformers') `new` greedy tokens after `ids`: the handle on the CPU executor, and the
+    transformers model `reference` (float32, no stop at end of sequence)."""
+    from poot_core import Driver, DriverOptions, GenerateRequest, open_executor
+
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=64)).serve()
+    ours = driver.generate(GenerateRequest(ids, max_new=new, ignore_eos=True)).tokens
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return list(ours), out[0, len(ids) :].tolist()
 
 
 def gguf_path() -> Path:
