@@ -1,5 +1,6 @@
-"""The hybrid families (LFM2, Mamba2, Granite 4.0-H, Bamba) against transformers' float32 forward on tiny
-random checkpoints, and the Driver's handling of their recurrent state (convolution windows, SSM states)."""
+"""The hybrid families (LFM2, Mamba2, Granite 4.0-H dense and with experts, Bamba) against transformers' float32
+forward on tiny random checkpoints, and the Driver's handling of their recurrent state (convolution windows, SSM
+states)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from poot_core import (
 )
 from poot_core.graph import passes
 
-ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "bamba"]
+ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "bamba"]
 # Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
 CONVERTER = TESTDATA / "llama.cpp" / "convert"

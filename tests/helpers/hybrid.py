@@ -1,4 +1,5 @@
-"""Tiny random hybrid checkpoints (Hugging Face): LFM2, Mamba2, the dense Granite 4.0-H and Bamba."""
+"""Tiny random hybrid checkpoints (Hugging Face): LFM2, Mamba2, Granite 4.0-H (dense and with routed experts)
+and Bamba."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def hybrid_config(arch: str) -> Any:
                                          num_local_experts=0, mamba_n_groups=1, position_embedding_type=None,
                                          layer_types=["linear_attention", "full_attention", "linear_attention",
                                                       "linear_attention"],
+                                         embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.2, logits_scaling=8.0)
+    if arch == "granite_moe":  # Granite 4.0-H with routed experts: 2 of 4 per token beside the shared MLP
+        return tf.GraniteMoeHybridConfig(**common, **mamba, intermediate_size=32, shared_intermediate_size=48,
+                                         num_local_experts=4, num_experts_per_tok=2, mamba_n_groups=2,
+                                         position_embedding_type=None,
+                                         layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "full_attention"],
                                          embedding_multiplier=12.0, residual_multiplier=0.22,
                                          attention_multiplier=0.2, logits_scaling=8.0)
     if arch == "bamba":  # rope on half of each head

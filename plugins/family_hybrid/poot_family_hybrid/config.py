@@ -42,7 +42,9 @@ class Mamba2Params:
 class MambaHybridParams:
     """Granite 4.0-H (GraniteMoeHybrid) and Bamba. Granite scales the embeddings, each residual branch and
     the attention scores by its multipliers and divides the logits by logits_scaling; Bamba ropes half of
-    each head, Granite (position_embedding_type "nope") none of it."""
+    each head, Granite (position_embedding_type "nope") none of it. Granite's MoE variant (experts > 0)
+    adds, in every layer, `top_k` of its routed experts (softmax over the chosen experts' router logits) to
+    the shared MLP's output."""
 
     mamba: Mamba2Params
     layer_types: list[str]  # per layer: "mamba" or "attention"
@@ -60,6 +62,9 @@ class MambaHybridParams:
     embed_scale: float | None = None
     residual_scale: float | None = None
     logits_scale: float | None = None  # the final hidden state is divided by it before the head
+    experts: int = 0  # routed experts per layer (Granite MoE); 0: the shared MLP alone
+    top_k: int = 0
+    expert_intermediate: int = 0  # F of each expert
 
     @property
     def hidden(self) -> int:
@@ -133,9 +138,7 @@ def mamba_hybrid_params(hf: dict[str, Any], model_type: str) -> MambaHybridParam
         raise Unsupported(Reason.OPERATION, f"{model_type} layer types {unknown or types}",
                           "poot's Mamba2 hybrids have mamba and attention layers, one per layer")
     granite = model_type == "granitemoehybrid"
-    if granite and int(hf.get("num_local_experts") or 0) > 0:
-        raise Unsupported(Reason.OPERATION, "GraniteMoeHybrid with routed experts",
-                          "poot reads the dense Granite 4.0-H (num_local_experts 0) so far")
+    experts = int(hf.get("num_local_experts") or 0) if granite else 0
     head_dim = int(hf.get("head_dim") or hidden // heads)
     theta, scaling = rope_from_hf_config(hf)
     if granite:
@@ -158,7 +161,9 @@ def mamba_hybrid_params(hf: dict[str, Any], model_type: str) -> MambaHybridParam
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), ffn="shared_mlp" if granite else "feed_forward",
         mlp_norm="post_attention_layernorm" if granite else "pre_ff_layernorm",
         final_norm="model.norm" if granite else "model.final_layernorm", embed_scale=multiplier("embedding_multiplier"),
-        residual_scale=multiplier("residual_multiplier"), logits_scale=multiplier("logits_scaling"))
+        residual_scale=multiplier("residual_multiplier"), logits_scale=multiplier("logits_scaling"),
+        experts=experts, top_k=int(require_key(hf, "num_experts_per_tok")) if experts else 0,
+        expert_intermediate=int(require_key(hf, "intermediate_size")) if experts else 0)
 
 
 def model_config(family: str, hf: dict[str, Any], params: Any) -> ModelConfig:

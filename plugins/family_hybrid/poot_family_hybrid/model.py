@@ -2,7 +2,8 @@
 
 LFM2: each layer is a gated short convolution or GQA attention (q/k norms), then a SwiGLU MLP.
 Mamba2: each layer is a Mamba2 mixer (a convolution over x, B and C, the selective scan, a gated group norm).
-Granite 4.0-H and Bamba: each layer is a Mamba2 mixer or GQA attention, then a SwiGLU MLP.
+Granite 4.0-H and Bamba: each layer is a Mamba2 mixer or GQA attention, then a SwiGLU MLP (Granite's MoE
+variant: the moe op over its routed experts, with that MLP as the shared expert).
 Weights are read by their Hugging Face names.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from poot_core import AttentionSpec, ModelConfig, Tracer, Value, attention_block, gated_mlp, projection
 from poot_family_hybrid.config import Lfm2Params, Mamba2Params, MambaHybridParams
+from poot_family_hybrid.experts import EXPERT_NAMES
 
 
 def gated_short_conv(t: Tracer, prefix: str, layer: int, h: Value) -> Value:
@@ -100,14 +102,34 @@ def trace_mamba_hybrid(cfg: ModelConfig, t: Tracer) -> None:
             a = attention_block(t, spec, pre + "self_attn.", i, h, positions, theta=p.theta, scaling=p.scaling)
         x = residual(x, a)
         h = t.rms_norm(x, t.weight(pre + p.mlp_norm + ".weight"), p.norm_eps)
-        if p.ffn == "shared_mlp":  # Granite: gate and up joined in one input_linear [2F, D]
-            gu = projection(t, h, pre + "shared_mlp.input_linear")
-            f = gu.shape[-1] // 2
-            m = projection(t, t.gated(t.slice(gu, 0, f), t.slice(gu, f, 2 * f)), pre + "shared_mlp.output_linear")
-        else:
-            m = gated_mlp(t, pre + "feed_forward.", h)
+        m = granite_mlp(t, pre + "shared_mlp.", h) if p.ffn == "shared_mlp" else gated_mlp(t, pre + "feed_forward.", h)
+        if p.experts:
+            m = granite_experts(t, p, pre + "block_sparse_moe.", h, m)
         x = residual(x, m)
     x = t.rms_norm(x, t.weight(p.final_norm + ".weight"), p.norm_eps)
     if p.logits_scale is not None:
         x = t.scale(x, 1.0 / p.logits_scale)
     t.finish(x, t.optional_weight("lm_head.weight") or t.weight("model.embed_tokens.weight"))
+
+
+def granite_mlp(t: Tracer, prefix: str, h: Value) -> Value:
+    """Granite's (shared) MLP: gate and up joined in one input_linear [2F, D] as Hugging Face stores it, or
+    apart (gate_proj, up_proj, down_proj) as llama.cpp's converter writes them."""
+    if not t.has_weight(prefix + "input_linear.weight"):
+        return gated_mlp(t, prefix, h)
+    gu = projection(t, h, prefix + "input_linear")
+    f = gu.shape[-1] // 2
+    return projection(t, t.gated(t.slice(gu, 0, f), t.slice(gu, f, 2 * f)), prefix + "output_linear")
+
+
+def granite_experts(t: Tracer, p: MambaHybridParams, prefix: str, h: Value, shared: Value) -> Value:
+    """top_k of the routed experts per token, weighted by the softmax of their router logits (transformers
+    takes the top logits, then their softmax: the renormalized softmax of all), plus the shared MLP."""
+    experts: tuple[Value, Value, Value] | list[tuple[Value, Value, Value]]
+    if t.has_weight(prefix + "experts.gate_exps.weight"):  # stacked [E, F, D], as GGUF stores them
+        experts = tuple(t.weight(f"{prefix}experts.{n}_exps.weight") for n in ("gate", "up", "down"))  # type: ignore[assignment]
+    else:  # per-expert views of Hugging Face's joined tensors (experts.granite_expert_weights)
+        experts = [tuple(t.weight(f"{prefix}experts.{e}.{n}.weight") for n in EXPERT_NAMES)  # type: ignore[misc]
+                   for e in range(p.experts)]
+    return t.moe(h, t.weight(prefix + "router.layer.weight"), experts, top_k=p.top_k, scoring="softmax",
+                 norm_topk=True, shared=shared)

@@ -16,12 +16,14 @@ from poot_core import (
     ModelConfig,
     Reason,
     StepShape,
+    StoredWeights,
     Tracer,
     Unsupported,
     eos_ids,
     hookimpl,
 )
 from poot_family_hybrid.config import lfm2_params, mamba2_params, mamba_hybrid_params, model_config
+from poot_family_hybrid.experts import granite_expert_weights
 from poot_family_hybrid.gguf import (
     LFM2_NAMES,
     lfm2_params_from_gguf,
@@ -34,6 +36,7 @@ from poot_family_hybrid.model import trace_lfm2, trace_mamba2, trace_mamba_hybri
 
 TensorNames = Callable[[str], str | None]
 Derived = Callable[[ModelConfig, GGUFTensors], dict[str, DerivedWeight]]
+HfDerived = Callable[[ModelConfig, StoredWeights], dict[str, DerivedWeight]]
 
 
 class HybridDecoder(Family):
@@ -42,10 +45,12 @@ class HybridDecoder(Family):
     def __init__(self, name: str, model_type: str, architectures: tuple[str, ...],
                  params: Callable[[dict[str, Any]], Any], trace: Callable[[ModelConfig, Tracer], None],
                  gguf_params: Callable[[GGUFKeys, GGUFTensors], Any] | None = None,
-                 gguf_names: GGUFNames | TensorNames | None = None, gguf_derived: Derived | None = None) -> None:
+                 gguf_names: GGUFNames | TensorNames | None = None, gguf_derived: Derived | None = None,
+                 hf_derived: HfDerived | None = None) -> None:
         super().__init__(name, model_type, architectures)
         self._params, self._trace = params, trace
         self._gguf_params, self._gguf_names, self._gguf_derived = gguf_params, gguf_names, gguf_derived
+        self._hf_derived = hf_derived
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return model_config(self.name, hf, self._params(hf))
@@ -73,6 +78,9 @@ class HybridDecoder(Family):
     def gguf_derived_weights(self, config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
         return {} if self._gguf_derived is None else self._gguf_derived(config, tensors)
 
+    def hf_derived_weights(self, config: ModelConfig, store: StoredWeights) -> dict[str, DerivedWeight]:
+        return {} if self._hf_derived is None else self._hf_derived(config, store)
+
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
         self._trace(config, t)
 
@@ -82,8 +90,10 @@ FAMILIES = [
                   LFM2_NAMES),
     HybridDecoder("mamba2", "mamba2", ("Mamba2ForCausalLM", "mamba2"), mamba2_params, trace_mamba2,
                   mamba2_params_from_gguf, mamba2_tensor_name, mamba2_derived_weights),
-    HybridDecoder("granitemoehybrid", "granitemoehybrid", ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
-                  lambda hf: mamba_hybrid_params(hf, "granitemoehybrid"), trace_mamba_hybrid),
+    HybridDecoder("granitemoehybrid", "granitemoehybrid",
+                  ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+                  lambda hf: mamba_hybrid_params(hf, "granitemoehybrid"), trace_mamba_hybrid,
+                  hf_derived=granite_expert_weights),
     HybridDecoder("bamba", "bamba", ("BambaForCausalLM", "bamba"), lambda hf: mamba_hybrid_params(hf, "bamba"),
                   trace_mamba_hybrid),
 ]
