@@ -5,6 +5,7 @@ states)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "bamba"]
 # Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
 CONVERTER = TESTDATA / "llama.cpp" / "convert"
-GGUF_ARCHS = ["lfm2", "mamba2"]
+GGUF_ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe"]
 def driver(path: Path, chunk: int = 16) -> Driver:
     return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=chunk))
 
@@ -137,12 +138,27 @@ def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> di
     fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
     made = {arch: root / f"{arch}.gguf" for arch in GGUF_ARCHS}
-    jobs = [{"src": str(hybrid_checkpoint(arch)), "outtype": "f32", "out": str(out)} for arch, out in made.items()]
+    jobs = [{"src": str(hub_layer_names(hybrid_checkpoint(arch), root / arch)), "outtype": "f32", "out": str(out)}
+            for arch, out in made.items()]
     (root / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return made
+
+
+def hub_layer_names(path: Path, copy: Path) -> Path:
+    """Granite's checkpoint with the layer types Granite 4.0-H's config.json on the hub has ("mamba",
+    "attention"): the converter looks for those, transformers 5 writes "linear_attention"/"full_attention" (and
+    reads both). Other checkpoints as they are."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "granitemoehybrid":
+        return path
+    shutil.copytree(path, copy)
+    hub = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layer_types"] = [hub[kind] for kind in config["layer_types"]]
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return copy
 
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
@@ -159,6 +175,17 @@ def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_ch
     out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert ours == out[0, 20:].tolist()
+
+
+def test_granitehybrid_file_with_rope_is_refused_by_name(converted, tmp_path):
+    """llama.cpp ropes a granitehybrid model when rope.scaling.finetuned is set (Bamba), over the dimension the
+    converter writes (the whole head, where transformers ropes half): such a file is refused, not guessed."""
+    from helpers.gguf_edit import gguf_copy
+
+    roped = gguf_copy(converted["granite_moe"], tmp_path / "roped.gguf",
+                      **{"granitehybrid.rope.scaling.finetuned": True})
+    with pytest.raises(Unsupported, match="rope.scaling.finetuned"):
+        ModelHandle.load(roped).config()
 
 
 def test_scan_chunks_and_steps_against_the_float64_recurrence():

@@ -1,5 +1,5 @@
-"""poot-family-hybrid's entry point: LFM2, Mamba2, Granite 4.0-H and Bamba from Hugging Face checkpoints; LFM2
-and Mamba2 from GGUF files too."""
+"""poot-family-hybrid's entry point: LFM2, Mamba2, Granite 4.0-H (dense and with routed experts) and Bamba from
+Hugging Face checkpoints; LFM2, Mamba2 and Granite 4.0-H (llama.cpp's granitehybrid) from GGUF files too."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ from poot_family_hybrid.config import lfm2_params, mamba2_params, mamba_hybrid_p
 from poot_family_hybrid.experts import granite_expert_weights
 from poot_family_hybrid.gguf import (
     LFM2_NAMES,
+    granite_derived_weights,
+    granite_params_from_gguf,
+    granite_tensor_name,
     lfm2_params_from_gguf,
     mamba2_derived_weights,
     mamba2_params_from_gguf,
@@ -91,8 +94,9 @@ FAMILIES = [
     HybridDecoder("mamba2", "mamba2", ("Mamba2ForCausalLM", "mamba2"), mamba2_params, trace_mamba2,
                   mamba2_params_from_gguf, mamba2_tensor_name, mamba2_derived_weights),
     HybridDecoder("granitemoehybrid", "granitemoehybrid",
-                  ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+                  ("GraniteMoeHybridForCausalLM", "granitemoehybrid", "granitehybrid"),
                   lambda hf: mamba_hybrid_params(hf, "granitemoehybrid"), trace_mamba_hybrid,
+                  granite_params_from_gguf, granite_tensor_name, granite_derived_weights,
                   hf_derived=granite_expert_weights),
     HybridDecoder("bamba", "bamba", ("BambaForCausalLM", "bamba"), lambda hf: mamba_hybrid_params(hf, "bamba"),
                   trace_mamba_hybrid),
