@@ -18,6 +18,7 @@ import transformers as tf
 from helpers import tiny
 from helpers.paths import TESTDATA, fetched
 from poot_core import (
+    CheckpointError,
     DraftPolicy,
     Driver,
     DriverOptions,
@@ -130,6 +131,25 @@ def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(hybrid_checkpoint, a
     assert refused.value.reason is Reason.OPERATION and refused.value.name in used
     vulkan = pytest.importorskip("poot_backend_vulkan.program")
     assert not set(used) & vulkan.VULKAN_OPS
+
+
+def test_granite_experts_are_views_of_the_joined_tensors(hybrid_checkpoint, tmp_path):
+    """Each expert's gate, up and down are zero-copy views of Hugging Face's input_linear [E, 2F, D] and
+    output_linear [E, D, F]; a checkpoint whose experts do not have the config's width is refused by name."""
+    path = hybrid_checkpoint("granite_moe")
+    store = ModelHandle.load(path).store()
+    pre = "model.layers.1.block_sparse_moe."
+    joined, down = store.get(pre + "input_linear.weight"), store.get(pre + "output_linear.weight")
+    F = joined.shape[1] // 2
+    for name, expected in (("gate_proj", joined[3, :F]), ("up_proj", joined[3, F:]), ("down_proj", down[3])):
+        view = store.get(f"{pre}experts.3.{name}.weight")
+        assert torch.equal(view, expected) and view.data_ptr() == expected.data_ptr()
+    wrong = tmp_path / "wrong"
+    shutil.copytree(path, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": F // 2}))
+    with pytest.raises(CheckpointError, match="input_linear"):
+        ModelHandle.load(wrong)
 
 
 @pytest.fixture(scope="module")
