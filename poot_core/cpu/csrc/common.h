@@ -48,6 +48,20 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
+/* The sum of each 32 consecutive values of x, for `groups` groups (in index order), in a malloc'd array of
+   groups + 1 floats the caller frees; NULL when there is no memory. The quantized products take a block's
+   minimum (or offset) term from these. */
+static inline float *sums_of_32(const float *x, int64_t groups) {
+    float *sums = malloc(sizeof(float) * (size_t)(groups + 1));
+    if (!sums) return NULL;
+    for (int64_t i = 0; i < groups; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 32; j++) s += x[32 * i + j];
+        sums[i] = s;
+    }
+    return sums;
+}
+
 /* acc[r] += v . (block b of row r of x) for the m (at most 4) rows of x, each nb blocks of 256 values, summed
    in index order: the portable route of the K-quant products, over one block decoded into v. */
 static inline void block_dot_rows(const float *v, const float *x, int64_t m, int64_t nb, int64_t b, float *acc) {

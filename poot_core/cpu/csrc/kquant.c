@@ -256,13 +256,8 @@ void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         return;
     }
     if (m == 1) {
-        float *xsum32 = malloc(sizeof(float) * (size_t)(nb * 8 + 1));
+        float *xsum32 = sums_of_32(x, nb * 8);
         if (xsum32) {
-            for (int64_t i = 0; i < nb * 8; i++) {
-                float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += x[32 * i + j];
-                xsum32[i] = s;
-            }
             #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t o = 0; o < n; o++) y[o] = row_dot_q45k(type, w + o * row_bytes, nb, x, xsum32);
             free(xsum32);
@@ -272,13 +267,8 @@ void poot_gemv_k(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 #endif
 #if POOT_AVX2 && !defined(__AVX512F__)
     if (m <= 4) {
-        float *xsum32 = malloc(sizeof(float) * (size_t)(m * nb * 8 + 1));
+        float *xsum32 = sums_of_32(x, m * nb * 8);
         if (xsum32) {
-            for (int64_t i = 0; i < m * nb * 8; i++) {
-                float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += x[32 * i + j];
-                xsum32[i] = s;
-            }
             #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t o = 0; o < n; o++) rows_dotk(type, (int)m, w + o * row_bytes, nb, x, xsum32, y + o, n);
             free(xsum32);

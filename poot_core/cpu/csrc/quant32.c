@@ -249,17 +249,11 @@ static float row_dot(int type, const uint8_t *row, int64_t nb, const float *x, c
 /* y[m, n] = x[m, nb * 32] @ W^T for m <= 4, W given as n rows of nb blocks, row_bytes apart. */
 void poot_gemv(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
                float *y, int threads) {
-    float *xsum = malloc(sizeof(float) * (size_t)(m * nb + 1));  /* sum(x) per block, for the minimum */
+    float *xsum = sums_of_32(x, m * nb);  /* sum(x) per block, for the minimum */
     if (!xsum) {
         for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
         return;
     }
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.0f;
-            for (int j = 0; j < 32; j++) s += x[r * nb * 32 + b * 32 + j];
-            xsum[r * nb + b] = s;
-        }
 #ifdef __AVX512F__
     if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
         #pragma omp parallel for num_threads(threads) schedule(static)
