@@ -32,7 +32,7 @@ from poot_core import (
 )
 from poot_core.graph import passes
 
-ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "bamba"]
+ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "granite_rope", "bamba"]
 # Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(41)]
 CONVERTER = TESTDATA / "llama.cpp" / "convert"

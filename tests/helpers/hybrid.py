@@ -45,6 +45,15 @@ def hybrid_config(arch: str) -> Any:
                                                       "full_attention"],
                                          embedding_multiplier=12.0, residual_multiplier=0.22,
                                          attention_multiplier=0.2, logits_scaling=8.0)
+    if arch == "granite_rope":  # the options Granite 4.0-H leaves off: rope on the whole head, biases, 1 expert
+        return tf.GraniteMoeHybridConfig(**{**common, **mamba, "tie_word_embeddings": True}, intermediate_size=32,
+                                         shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=1,
+                                         mamba_n_groups=2, position_embedding_type="rope", attention_bias=True,
+                                         mamba_proj_bias=True, mamba_conv_bias=False,
+                                         layer_types=["full_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"],
+                                         embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.2, logits_scaling=8.0)
     if arch == "bamba":  # rope on half of each head
         return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
     raise ValueError(arch)
