@@ -83,7 +83,7 @@ class Constraint:
 
     @classmethod
     def choice(cls, options: Sequence[str]) -> Constraint:
-        if isinstance(options, str) or not options or not all(isinstance(o, str) and o for o in options):
+        if not isinstance(options, list | tuple) or not options or not all(isinstance(o, str) and o for o in options):
             raise RequestError("a choice needs a list of one or more non-empty strings")
         return cls("choice", json.dumps(list(options)))
 

@@ -16,12 +16,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poot_core.driver.constraints import Constraint, from_response_format, tool_call_constraint, tool_call_format
+from poot_core.driver.constraints import (
+    Constraint,
+    from_guided,
+    from_response_format,
+    guided_fields,
+    tool_call_constraint,
+    tool_call_format,
+)
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.sampling import Sampler
 from poot_core.errors import RequestError
 from poot_core.server.errors import APIError
-from poot_core.server.schemas import MAX_STOPS, ChatCompletionRequest, ChatMessage, CompletionRequest, Sampling
+from poot_core.server.schemas import (
+    GUIDED_FIELDS,
+    MAX_STOPS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Sampling,
+)
 from poot_core.text.services import TextServices
 
 
@@ -33,7 +47,7 @@ class Plan:
     max_new: int  # -1: to the end of the window
     stops: list[str]
     body: Sampling
-    constraint: Constraint | None = None  # response_format's or a forced tool call's (poot_core.driver.constraints)
+    constraint: Constraint | None = None  # response_format, vLLM guided fields or a forced call (constraint_of)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
     tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
 
@@ -119,16 +133,8 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> P
     _common_refusals(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise refuse("top_logprobs", "needs logprobs: true")
-    try:  # a schema that does not compile is refused when the engine takes the request (also a 400)
-        constraint = from_response_format(body.response_format)
-    except RequestError as err:
-        raise APIError(400, f"response_format: {err}", param="response_format",
-                       code="invalid_response_format") from None
     tools = _tools(text, body)
-    if tools is not None and tools.forced:
-        if constraint is not None:
-            raise refuse("tool_choice", "a forced tool call and response_format cannot be combined")
-        constraint = tools.constraint
+    constraint = constraint_of(body, None if tools is None else tools.constraint)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise refuse("max_completion_tokens", "differs from max_tokens; give one of them")
@@ -142,6 +148,30 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> P
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(prompt, max_new, stops, body, constraint, logprobs, tools)
+
+
+def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constraint | None:
+    """The request's one structured-output constraint: response_format's, vLLM's (structured_outputs or the
+    guided_* fields) or a forced tool call's (`forced`). Two of them are a 400 naming both; a malformed one a
+    400 naming its field. A schema or grammar that does not compile is refused when the engine takes the request
+    (a 400 too, before the response or a stream's first chunk)."""
+    try:
+        response = from_response_format(body.response_format)
+    except RequestError as err:
+        raise APIError(400, f"response_format: {err}", param="response_format",
+                       code="invalid_response_format") from None
+    fields = body.model_dump(include=set(GUIDED_FIELDS), exclude_none=True)
+    try:
+        given = [name for name, _, _ in guided_fields(fields)]
+        guided = from_guided(fields) if len(given) == 1 else None
+    except RequestError as err:
+        raise APIError(400, str(err), param=next(iter(fields), None), code="invalid_structured_output") from None
+    named = [*(["response_format"] if response is not None else []), *given,
+             *(["tool_choice"] if forced is not None else [])]
+    if len(named) > 1:
+        raise APIError(400, f"a request takes one structured output constraint, got {' and '.join(named)}",
+                       param=named[1], code="conflicting_constraints")
+    return response or guided or forced
 
 
 def _tools(text: TextServices, body: ChatCompletionRequest) -> Tools | None:
@@ -180,6 +210,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
     else:
         prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
     vocab = text.vocab_size()
+    constraint = constraint_of(body)
     plans = []
     for i, ids in enumerate(prompts):
         if not ids:
@@ -189,7 +220,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
             raise refuse("prompt", f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         max_new = -1 if body.max_tokens is None else body.max_tokens
         check_window(len(ids), max_new, window, "prompt")
-        plans.append(Plan(ids, max_new, stops_of(body), body, logprobs=body.logprobs))
+        plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs))
     return plans
 
 

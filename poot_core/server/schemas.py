@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 16  # choices per request
 MAX_STOPS = 16
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_whitespace_pattern", "guided_decoding_backend", "structural_tag")
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -68,6 +70,16 @@ class Sampling(_Body):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, or vLLM's fields (extra_body), checked in generation.py
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    structural_tag: Any = None
 
 
 class TextPart(_Body):
@@ -90,7 +102,6 @@ class ChatCompletionRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):

@@ -533,6 +533,7 @@ def test_openai_and_vllm_fields_map_to_constraints():
     assert [f for f, _, _ in constraints.guided_fields({"guided_grammar": "x", "guided_choice": None})] == [
         "guided_grammar"]
     for bad, words in (({"guided_regex": 5}, "guided_regex: a regex is a string"),
+                       ({"guided_choice": 5}, "guided_choice: a choice needs a list"),
                        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice: a choice needs"),
                        ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
                        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),

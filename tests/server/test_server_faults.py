@@ -29,12 +29,13 @@ json_values = st.recursive(
 )
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+GUIDED = ["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]  # vLLM's
 # Fields a mutation may set to anything; max_tokens and n only to values that cannot make a long request.
 CHAT_FIELDS = ["model", "messages", "temperature", "top_p", "stop", "seed", "top_k", "min_p", "repetition_penalty",
                "stream_options", "tools", "tool_choice", "response_format", "presence_penalty", "logprobs",
-               "ignore_eos", "max_completion_tokens", "logit_bias"]
+               "ignore_eos", "max_completion_tokens", "logit_bias", *GUIDED]
 COMPLETION_FIELDS = ["model", "prompt", "temperature", "top_p", "stop", "seed", "echo", "suffix", "best_of",
-                     "logprobs", "min_p", "stream_options"]
+                     "logprobs", "min_p", "stream_options", "response_format", *GUIDED]
 SMALL_OR_BAD = st.one_of(st.integers(max_value=0), st.integers(min_value=10**6), st.text(max_size=4),
                          st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([1, 2]))
 SMALL_BAD_N = st.one_of(st.integers(max_value=0), st.integers(min_value=17), st.text(max_size=4),
