@@ -141,6 +141,13 @@ def _check_attention_options(causal: bool, window: int | None, softcap: float | 
         require(softcap > 0, f"soft-cap must be positive, got {softcap}")
 
 
+def _score_args(head_dim: int, scale: float | None, softcap: float | None, window: int | None) -> dict:
+    """The score arguments both attention kernels take: the scale (1/sqrt(head_dim) unless given), the softcap
+    (1.0 when off: the kernels test HAS_SOFTCAP), the window (0 when off) and the head size."""
+    return {"scale": float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
+            "softcap": float(softcap or 1.0), "window": int(window or 0), "head_dim": head_dim}
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,10 +204,7 @@ def prefill_attention(
         tokens=tokens,
         start=start,
         kv_len=kv_len,
-        scale=float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
-        softcap=float(softcap or 1.0),
-        window=int(window or 0),
-        head_dim=head_dim,
+        **_score_args(head_dim, scale, softcap, window),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_h=k_cache.stride(0),
@@ -401,10 +405,7 @@ def decode_attention(
         mid_o_ptr=mid_o,
         mid_lse_ptr=mid_lse,
         split_size=split_size,
-        scale=float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
-        softcap=float(softcap or 1.0),
-        window=int(window or 0),
-        head_dim=head_dim,
+        **_score_args(head_dim, scale, softcap, window),
         q_stride_b=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_b=k_cache.stride(0),

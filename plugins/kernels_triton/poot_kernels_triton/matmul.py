@@ -26,6 +26,18 @@ def dot(a, b, acc):
 
 
 @triton.jit
+def dot_tiles(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b for a GEMM step: both tiles in float32 when UPCAST (the interpreter), else b in a's dtype
+    (the tensor cores' input type)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    else:
+        b = b.to(a.dtype)
+    return dot(a, b, acc)
+
+
+@triton.jit
 def gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask):
     """One [BLOCK_M, BLOCK_K] tile of the activations, zeros past the edges (shared by the GEMM kernels)."""
     return tl.load(
@@ -123,12 +135,7 @@ def _gemm_kernel(
             mask=nmask[None, :] & kmask[:, None],
             other=0.0,
         )
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        else:
-            b = b.to(a.dtype)
-        acc = dot(a, b, acc)
+        acc = dot_tiles(a, b, acc, UPCAST)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 

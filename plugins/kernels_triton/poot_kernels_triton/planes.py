@@ -24,7 +24,7 @@ import triton.language as tl
 from poot_core import PackedWeight
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, dot, gemm_store, gemm_x_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, dot_tiles, gemm_store, gemm_x_tile, launch_gemv
 from .relayout import IQ4_VALUES
 from .splitk import MAX_SPLIT, finish_split
 from .tuning import Tile, Tuning, planes_tile, tuning_for_device
@@ -377,11 +377,7 @@ def _planes_gemm_kernel(
         b = _planes_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, z_ptr, m_ptr, dm_ptr, tab_ptr, k0, k, offs_n, nmask,
                          lo_stride, hi_stride, sc_stride, d_stride, z_stride, m_stride, dm_stride, LB, HB, GROUP,
                          SUPER, SC_INT, ZKIND, ZC, ZB, ZOFF, MKIND, BR, TABLE, FP8, BLOCK_K, BLOCK_N)  # fmt: skip
-        if UPCAST:
-            a = a.to(tl.float32)
-        else:
-            b = b.to(a.dtype)
-        acc = dot(a, b, acc)
+        acc = dot_tiles(a, b, acc, UPCAST)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 

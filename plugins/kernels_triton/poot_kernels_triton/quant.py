@@ -17,7 +17,7 @@ from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear, dot, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, dense_linear, dot_tiles, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
 from .planes import iq4_value, planes_linear, planes_rows
 from .relayout import from_gptq, is_planes, to_planes
 from .splitk import finish_split
@@ -324,11 +324,7 @@ def _gguf_gemm_kernel(
         kmask = offs_k < k
         a = gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask)
         b = _dequant_gguf(rows, offs_k[:, None], nmask[None, :] & kmask[:, None], QTYPE)  # [BLOCK_K, BLOCK_N]
-        if UPCAST:
-            a = a.to(tl.float32)
-        else:
-            b = b.to(a.dtype)
-        acc = dot(a, b, acc)
+        acc = dot_tiles(a, b, acc, UPCAST)
     gemm_store(o_ptr, o_stride, b_ptr, acc, offs_m, offs_n, mmask, nmask, HAS_BIAS)
 
 
