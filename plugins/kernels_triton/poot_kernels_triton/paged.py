@@ -1,0 +1,311 @@
+"""Attention over a paged KV cache (StepShape.paging): pools of fixed-size blocks, one block table per sequence.
+
+A pool is [blocks, kv_heads, block_size, head_dim]; a sequence's position p lives in block
+`tables[seq, p // block_size]` at offset p % block_size. `write_paged_kv` stores a flat step's new keys and
+values into their blocks; `paged_decode_attention` attends each listed token through its sequence's table,
+split over the key positions like `attention.decode_attention` (one program per (token, kv head, split), then
+the same merge kernel). The split count depends only on the table's width, never on how many tokens share the
+launch, so a token's arithmetic does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _check_attention_options, _decode_reduce_kernel, _scores
+from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
+from .matmul import dot
+from .tuning import Tile, tuning_for_device
+
+
+@triton.jit
+def _paged_write_kernel(
+    k_ptr,
+    v_ptr,
+    kp_ptr,
+    vp_ptr,
+    pos_ptr,
+    seq_ptr,
+    tab_ptr,
+    kv_heads,
+    head_dim,
+    block_size,
+    tab_stride,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    p_stride_b,
+    p_stride_h,
+    p_stride_p,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    seq = tl.load(seq_ptr + t)
+    if seq >= 0:  # padding tokens (slot -1) write nothing
+        pos = tl.load(pos_ptr + t)
+        block = tl.load(tab_ptr + seq * tab_stride + pos // block_size).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < kv_heads) & (d[None, :] < head_dim)
+        dst = block * p_stride_b + h[:, None] * p_stride_h + (pos % block_size) * p_stride_p + d[None, :]
+        k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=mask)
+        tl.store(kp_ptr + dst, k.to(kp_ptr.dtype.element_ty), mask=mask)
+        tl.store(vp_ptr + dst, v.to(vp_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor) -> None:
+    check_dims("k_pool", k_pool, 4)
+    check_dims("block_tables", tables, 2)
+    check_float("k_pool", k_pool)
+    require(k_pool.shape == v_pool.shape, "k and v pools differ in shape")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("block_tables", tables)):
+        require(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")
+
+
+def write_paged_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   positions: torch.Tensor, seqs: torch.Tensor, tables: torch.Tensor) -> None:
+    """Store k, v [tokens, kv_heads, head_dim] of a flat step into their blocks: token t (of sequence slot
+    seqs[t], -1 for padding, which writes nothing) at position positions[t]. Pools [blocks, kv_heads,
+    block_size, head_dim]; tables [slots, max_blocks] int64. Values take the pool's dtype. Nothing is read on
+    the host (positions beyond a table are the caller's to refuse, as check_positions does)."""
+    check_dims("k", k, 3)
+    _check_pools(k_pool, v_pool, tables)
+    check_same_device(k, v, k_pool, v_pool, positions, seqs, tables)
+    tokens, kv_heads, head_dim = k.shape
+    require(v.shape == k.shape, "k and v shapes differ")
+    require(k_pool.shape[1] == kv_heads and k_pool.shape[3] == head_dim, "pool and k disagree on heads/dim")
+    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
+    require(k.stride(-1) == 1 and v.stride(-1) == 1, "k and v need a contiguous last dimension")
+    tuning = tuning_for_device(k.device)
+    launch(
+        _paged_write_kernel,
+        (tokens,),
+        Tile(num_warps=min(4, tuning.row_warps), num_stages=1),
+        k_ptr=k,
+        v_ptr=v,
+        kp_ptr=k_pool,
+        vp_ptr=v_pool,
+        pos_ptr=positions,
+        seq_ptr=seqs,
+        tab_ptr=tables,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=k_pool.shape[2],
+        tab_stride=tables.stride(0),
+        k_stride_t=k.stride(0),
+        k_stride_h=k.stride(1),
+        v_stride_t=v.stride(0),
+        v_stride_h=v.stride(1),
+        p_stride_b=k_pool.stride(0),
+        p_stride_h=k_pool.stride(1),
+        p_stride_p=k_pool.stride(2),
+        BLOCK_H=next_pow2(kv_heads),
+        BLOCK_D=next_pow2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    kp_ptr,
+    vp_ptr,
+    pos_ptr,
+    seq_ptr,
+    tab_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    split_size,
+    block_size,
+    scale,
+    softcap,
+    window,
+    head_dim,
+    tab_stride,
+    q_stride_t,
+    q_stride_h,
+    p_stride_b,
+    p_stride_h,
+    p_stride_p,
+    mo_stride_b,
+    mo_stride_h,
+    mo_stride_s,
+    ml_stride_b,
+    ml_stride_h,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+    q = tl.load(
+        q_ptr + t * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    seq = tl.load(seq_ptr + t)
+    # the token sits at its position and sees keys 0 .. position (a padding token, slot -1, sees none)
+    kv_len = tl.where(seq >= 0, tl.load(pos_ptr + t).to(tl.int32) + 1, 0)
+    table = tab_ptr + tl.maximum(seq, 0) * tab_stride
+    lo = split * split_size
+    hi = tl.minimum(lo + split_size, kv_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, kv_len - window)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    head_off = kvh.to(tl.int64) * p_stride_h
+    for n0 in range(lo, hi, BLOCK_N):
+        kv_pos = n0 + offs_n
+        kv_mask = kv_pos < hi
+        block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
+        row = block * p_stride_b + head_off + (kv_pos % block_size).to(tl.int64) * p_stride_p
+        k = tl.load(kp_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :] & dmask[:, None], other=0.0)
+        v = tl.load(vp_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # the online softmax of attention._decode_split_kernel, over keys read through the table
+        s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
+        s = tl.where(kv_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    tl.store(
+        mid_o_ptr + t * mo_stride_b + heads[:, None] * mo_stride_h + split * mo_stride_s + offs_d[None, :],
+        out,
+        mask=hmask[:, None] & dmask[None, :],
+    )
+    tl.store(mid_lse_ptr + t * ml_stride_b + heads * ml_stride_h + split, lse, mask=hmask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    seqs: torch.Tensor,
+    tables: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Each token of q [tokens, q_heads, head_dim] attends to its sequence's keys 0 .. positions[t] through
+    tables[seqs[t]] (its own k/v already written, `write_paged_kv`); padding tokens (seqs[t] = -1) give zeros.
+    Pools [blocks, kv_heads, block_size, head_dim]; positions, seqs [tokens] and tables [slots, max_blocks]
+    int64 on the device (nothing read on the host). window / softcap / scale as in
+    attention.prefill_attention. Returns [tokens, q_heads, head_dim] in q's dtype."""
+    check_dims("q", q, 3)
+    check_float("q", q)
+    _check_pools(k_pool, v_pool, tables)
+    check_same_device(q, k_pool, v_pool, positions, seqs, tables)
+    _check_attention_options(True, window, softcap)
+    tokens, q_heads, head_dim = q.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    require(k_pool.shape[3] == head_dim, f"pool head size {k_pool.shape[3]} != q head size {head_dim}")
+    require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
+    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
+    require(q.stride(-1) == 1, "q needs a contiguous last dimension")
+    tuning = tuning_for_device(q.device)
+    tile = tuning.decode
+    group = q_heads // kv_heads
+    capacity = tables.shape[1] * block_size
+    # splits from the table's width and the heads only: the same for a token whatever else is in the launch
+    num_splits = max(1, min(tuning.decode_programs // kv_heads, cdiv(capacity, tile.block_n)))
+    split_size = cdiv(cdiv(capacity, num_splits), tile.block_n) * tile.block_n
+    num_splits = cdiv(capacity, split_size)
+    mid_o = torch.empty((tokens, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((tokens, q_heads, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    launch(
+        _paged_decode_split_kernel,
+        (tokens, kv_heads, num_splits),
+        tile,
+        q_ptr=q,
+        kp_ptr=k_pool,
+        vp_ptr=v_pool,
+        pos_ptr=positions,
+        seq_ptr=seqs,
+        tab_ptr=tables,
+        mid_o_ptr=mid_o,
+        mid_lse_ptr=mid_lse,
+        split_size=split_size,
+        block_size=block_size,
+        scale=float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
+        softcap=float(softcap or 1.0),
+        window=int(window or 0),
+        head_dim=head_dim,
+        tab_stride=tables.stride(0),
+        q_stride_t=q.stride(0),
+        q_stride_h=q.stride(1),
+        p_stride_b=k_pool.stride(0),
+        p_stride_h=k_pool.stride(1),
+        p_stride_p=k_pool.stride(2),
+        mo_stride_b=mid_o.stride(0),
+        mo_stride_h=mid_o.stride(1),
+        mo_stride_s=mid_o.stride(2),
+        ml_stride_b=mid_lse.stride(0),
+        ml_stride_h=mid_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=max(tile.block_m, next_pow2(group)),
+        BLOCK_N=tile.block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        UPCAST=tuning.upcast_dot,
+    )
+    launch(
+        _decode_reduce_kernel,
+        (tokens, q_heads),
+        Tile(num_warps=min(4, tuning.row_warps), num_stages=1),
+        mid_o_ptr=mid_o,
+        mid_lse_ptr=mid_lse,
+        o_ptr=out,
+        splits=num_splits,
+        head_dim=head_dim,
+        mo_stride_b=mid_o.stride(0),
+        mo_stride_h=mid_o.stride(1),
+        mo_stride_s=mid_o.stride(2),
+        ml_stride_b=mid_lse.stride(0),
+        ml_stride_h=mid_lse.stride(1),
+        o_stride_b=out.stride(0),
+        o_stride_h=out.stride(1),
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_D=next_pow2(head_dim),
+    )
+    return out
+
+
+def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """pool [blocks, H, B, D] -> the listed blocks as one contiguous cache [H, len(blocks) * B, D] (a copy)."""
+    picked = pool[blocks]
+    n, heads, size, dim = picked.shape
+    return picked.transpose(0, 1).reshape(heads, n * size, dim).contiguous()
+
+
+__all__ = ["gather_blocks", "paged_decode_attention", "write_paged_kv"]
