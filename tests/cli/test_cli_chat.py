@@ -4,12 +4,15 @@ goes on), Ctrl-C at the prompt and Ctrl-D, the commands, context full. Piped std
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pty
 import re
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import termios
@@ -29,7 +32,8 @@ class Terminal:
 
     def __init__(self, *args: str) -> None:
         master, slave = pty.openpty()
-        env = {**os.environ, "TERM": "dumb", "INPUTRC": "/dev/null", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TERM": "dumb", "INPUTRC": "/dev/null", "PYTHONUNBUFFERED": "1",
+               "PYTHONFAULTHANDLER": "1"}  # Python stacks on SIGABRT, for a hang (see wait)
         self.proc = subprocess.Popen([*POOT, *args], stdin=slave, stdout=slave, stderr=slave, env=env,
                                      start_new_session=True, preexec_fn=_take_terminal, close_fds=True)
         os.close(slave)
@@ -66,11 +70,44 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
+    def type_when_reading(self, keys: str, timeout: float = 60) -> None:
+        """Type `keys` once the chat is blocked reading the terminal. The prompt is printed before readline
+        switches the terminal's mode and waits: a Ctrl-D typed in that gap is taken by the terminal's line
+        editing (an end of file readline never sees), and a Ctrl-C whose signal lands before readline's wait
+        is only acted on after the next key (CPython's readline checks signals when its wait is interrupted).
+        Either way the chat would wait for input forever. Linux names the wait in /proc/PID/wchan."""
+        end = time.monotonic() + timeout
+        wchan = f"/proc/{self.proc.pid}/wchan"
+        while os.path.exists(wchan) and time.monotonic() < end:
+            with open(wchan) as f:
+                where = f.read()
+            if "poll" in where or "select" in where:
+                break
+            time.sleep(0.02)
+        self.type(keys)
+
     def wait(self, timeout: float = 240) -> int:
         end = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < end:
             self._read(0.2)
-        return self.proc.wait(timeout=max(end - time.monotonic(), 1))
+        if self.proc.poll() is None:
+            raise AssertionError(f"the chat did not exit within {timeout:.0f} s; where it waits:\n{self._stacks()}\n"
+                                 f"the terminal showed:\n{self.seen.decode(errors='replace')}")
+        return self.proc.wait()
+
+    def _stacks(self) -> str:
+        """The hung process's native stacks (gdb, where installed), then its Python stacks (faulthandler,
+        enabled in the child, prints them on SIGABRT)."""
+        native = ""
+        if shutil.which("gdb"):
+            run = subprocess.run(["gdb", "-p", str(self.proc.pid), "-batch", "-ex", "thread apply all bt"],
+                                 capture_output=True, text=True, timeout=120)
+            native = run.stdout[-20000:]
+        self.proc.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._read(1.0)
+        return native
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -126,10 +163,8 @@ def test_chat_on_a_terminal(terminal, tmp_path):
     t.expect(r"\n> ")
     t.type(f"/save {saved}\r")
     t.expect(r"\[saved 6 messages")
-    # Ctrl-D once the prompt is back: typed earlier, it can reach the terminal before readline reads it, and
-    # readline's switch of the terminal's mode may drop it (then the chat waits for input forever)
     t.expect(r"\n> ")
-    t.type("\x04")
+    t.type_when_reading("\x04")
     assert t.wait() == 0
     messages = json.loads(saved.read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
@@ -162,7 +197,7 @@ def test_commands_timings_and_ctrl_c_at_the_prompt(terminal, tiny, tmp_path):
     t.type(f"/save {after_reset}\r")
     t.expect(r"\[saved 1 message ")
     t.expect(r"\n> ")
-    t.type("\x03")  # Ctrl-C at the prompt ends the chat
+    t.type_when_reading("\x03")  # Ctrl-C at the prompt ends the chat
     assert t.wait() == 130
     assert "Traceback" not in t.seen.decode(errors="replace")
     messages = json.loads(out.read_text())["messages"]
@@ -183,5 +218,5 @@ def test_context_full_keeps_the_chat_going(terminal, tiny):
     t.type("hi\r")
     t.expect(r"context full")  # a fresh conversation answers again
     t.expect(r"\n> ")
-    t.type("\x04")
+    t.type_when_reading("\x04")
     assert t.wait() == 0
