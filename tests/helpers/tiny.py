@@ -92,11 +92,14 @@ def tiny_config(arch: str, vocab: int = 256) -> Any:
     raise ValueError(arch)
 
 
-def build(path: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """Save a tiny random `arch` checkpoint (weights in `dtype`) with its tokenizer into `path`."""
+def build(path: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int | None = None) -> Path:
+    """Save a tiny random `arch` checkpoint (weights in `dtype`) with its tokenizer into `path`; `layers`: fewer
+    decoder layers than the config's (tests whose kernels run in Triton's interpreter; not for gemma3)."""
     import transformers as tf
 
     config = tiny_config(arch)
+    if layers is not None:
+        config.num_hidden_layers = layers
     classes = {"gemma3": tf.Gemma3ForCausalLM}
     model_cls = classes.get(arch, tf.AutoModelForCausalLM)
     torch.manual_seed(seed)

@@ -1,19 +1,28 @@
-"""The Triton executor's paged KV layout (poot_kernels_triton.paged): the paged decode kernel and the block write
-against float64 torch references over random block tables. Runs in Triton's interpreter without a GPU, compiled
-on one with a GPU."""
+"""The Triton executor's paged KV layout (poot_kernels_triton.paged, paged_step): the paged decode kernel and the
+block write against float64 torch references over random block tables, and the serving engine on the Triton
+executor against the same requests run one by one on its contiguous layout (greedy tokens) and against the CPU
+engine (logits). Runs in Triton's interpreter without a GPU, compiled on one with a GPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 
+from helpers import tiny
 from helpers.triton_checks import rel_err
 from helpers.triton_mode import interpreted
+from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Unsupported, open_executor
+from poot_kernels_triton.executor import TritonExecutor
 from poot_kernels_triton.paged import paged_decode_attention, write_paged_kv
 
 DEVICE = torch.device("cpu" if interpreted() else "cuda")
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2}  # ||out - ref|| / ||ref|| by the output's dtype
+
+
+def _executor() -> TritonExecutor:
+    return TritonExecutor.on_interpreter() if interpreted() else TritonExecutor(0)
 
 
 def _reference(q, k_pool, v_pool, positions, seqs, tables, scale, window, softcap) -> torch.Tensor:
@@ -77,3 +86,55 @@ def test_paged_write_puts_each_token_in_its_block():
         b, off = int(tables[seqs[t], positions[t] // block]), int(positions[t] % block)
         expect_k[b, :, off], expect_v[b, :, off] = k[t], v[t]
     assert torch.equal(k_pool.cpu(), expect_k) and torch.equal(v_pool.cpu(), expect_v)  # padding wrote nothing
+
+
+# --- the serving engine on the Triton executor -----------------------------------------------------------------
+
+CAPACITY, CHUNK = 16, 4
+PROMPTS = [[(7 * i + 3 * j + 1) % 250 + 2 for j in range(n)] for i, n in enumerate((2, 7, 4))]
+NEW = 3  # the first token from prefill, two from decode steps
+
+
+def _options(**serve) -> DriverOptions:
+    options = DriverOptions(capacity=CAPACITY, prefill_chunk=CHUNK)
+    for k, v in serve.items():
+        setattr(options, k, v)
+    return options
+
+
+def _served(handle, executor, prompts):
+    # blocks of 4 positions, chunks of 4 tokens: the 7-token prompt spans two blocks and two chunks, and steps mix
+    # its second chunk with the others' decode tokens
+    engine = Driver(handle, executor, _options(block_size=4, step_tokens=8, max_running=4,
+                                               kv_blocks=16)).serve(Layout.PAGED)
+    engine.keep_logits = True
+    gens = engine.generate_batch([GenerateRequest(list(p), max_new=NEW, ignore_eos=True) for p in prompts])
+    return gens, [np.stack(engine.logits[i]) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # one decoder layer: the interpreter's cost is per kernel launch, and one layer covers every op's paged form
+    return ModelHandle.load(tiny.build(tmp_path_factory.mktemp("llama1"), "llama", layers=1))
+
+
+def test_triton_engine_equals_contiguous_tokens_and_cpu_engine_logits(llama):
+    ex = _executor()
+    assert "paged" in ex.capabilities().layouts
+    gens, logits = _served(llama, ex, PROMPTS)
+    solo = Driver(llama, ex, _options())
+    for i, prompt in enumerate(PROMPTS):
+        alone = solo.generate(GenerateRequest(list(prompt), max_new=NEW, ignore_eos=True))
+        assert gens[i].tokens == alone.tokens, f"request {i}"
+    _, cpu_logits = _served(llama, open_executor("cpu"), PROMPTS)
+    for i, (ours, ref) in enumerate(zip(logits, cpu_logits, strict=True)):
+        assert ours.shape == ref.shape == (NEW, ours.shape[1])
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, f"request {i}"
+
+
+def test_latent_attention_refuses_the_paged_layout_by_name(tmp_path_factory):
+    from helpers.moe import build
+
+    handle = ModelHandle.load(build(tmp_path_factory.mktemp("deepseek_v2"), "deepseek_v2", torch.float32))
+    with pytest.raises(Unsupported, match="mla_attention in a paged step"):
+        Driver(handle, _executor(), _options(block_size=4, kv_blocks=8)).serve(Layout.PAGED)

@@ -32,6 +32,9 @@ from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
 
 TRITON_OPS = handled_ops(Binder)  # the vocabulary ops Binder has an op_<name> handler for
+# KV layouts: "paged" (pools of blocks, StepShape.paging) through paged_step; latent attention has no paged form
+# and refuses such a step by name (Binder.op_mla_attention)
+LAYOUTS = frozenset({"contiguous", "paged"})
 # Kept free beyond weights and KV: activations, graph pools, the allocator's slack.
 HEADROOM = 1 << 30
 
@@ -80,7 +83,7 @@ class TritonExecutor:
 
     # --- protocol --------------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        return Capabilities(TRITON_OPS, DENSE_KINDS | packed_kinds(), notes=self.notes)
+        return Capabilities(TRITON_OPS, DENSE_KINDS | packed_kinds(), notes=self.notes, layouts=LAYOUTS)
 
     def memory(self) -> dict[str, int]:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -120,8 +123,10 @@ class TritonExecutor:
         binder = Binder(graph, weights, self._rope_tables, self.name)
         steps = binder.bind_all()
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
-        # latent attention's start positions) runs eagerly; the others are captured as CUDA graphs
-        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
+        # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
+        # captured as CUDA graphs
+        use_graph = (self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
+                     and graph.shape.paging is None)
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import poot_kernels_triton as ktr
 from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
-from . import moe
+from . import moe, paged_step
 from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
@@ -41,12 +41,14 @@ ROPE_STYLES = frozenset({"neox", "interleaved"})
 @dataclass
 class Step:
     """What one run sees: device inputs, host copies of the positions (prefill reads its start on the
-    host), the state buffers and the values computed so far."""
+    host), the state buffers and the values computed so far; `host`: every input as given (numpy), for the
+    paged layout's attention, which splits the step into runs of sequences on the host (eager steps only)."""
 
     env: dict[str, Any]
     state: dict[str, torch.Tensor]
     host_positions: np.ndarray | None
     cache: dict[str, Any] = field(default_factory=dict)
+    host: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 StepFn = Callable[[Step], None]
@@ -228,6 +230,9 @@ class Binder:
         return run
 
     def op_attention(self, node: Node) -> StepFn:
+        if node.input(6) is not None:  # a paged step: the caches are pools of blocks
+            self.host_syncs = True  # splits the step into decode tokens and prefill runs on the host
+            return paged_step.bind_attention(node)
         q_name, k_name, v_name, pos_name, kc_key, vc_key = (r.name for r in node.inputs)
         a = node.attrs
         scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
@@ -309,6 +314,13 @@ class Binder:
 
     def op_last_position(self, node: Node) -> StepFn:
         x_name, out = node.inputs[0].name, node.output
+        if node.input(1) is not None:  # a paged step: the token whose logits each sequence slot reads
+            index_name = node.inputs[1].name
+
+            def run_paged(s: Step) -> None:
+                s.env[out] = s.env[x_name][:, s.env[index_name]]
+
+            return run_paged
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name][:, -1:, :]
@@ -376,6 +388,10 @@ class Binder:
         """The expanded form: the cache holds the normed latent and the rotated rope key per token; each
         step expands the cached latent with kv_b through `linear` into per-head keys and values, then runs
         the flash-attention kernel per row. Reads the rows' start positions on the host (no CUDA graph)."""
+        if node.input(6) is not None:
+            raise Unsupported(Reason.SHAPE, "mla_attention in a paged step",
+                              f"the {self.backend} backend has no paged latent attention; serve with "
+                              "Layout.CONTIGUOUS or on the CPU backend")
         self.host_syncs = True  # reads each row's start or length on the host
         a = node.attrs
         if a["style"] not in ROPE_STYLES:
@@ -499,9 +515,13 @@ class TritonProgram:
         self._outputs: list[torch.Tensor] = []
 
     def _eager(
-        self, state: dict[str, torch.Tensor], env: dict[str, Any], host_positions: np.ndarray | None
+        self,
+        state: dict[str, torch.Tensor],
+        env: dict[str, Any],
+        host_positions: np.ndarray | None,
+        host: dict[str, np.ndarray] | None = None,
     ) -> list[Any]:
-        step = Step(env, state, host_positions)
+        step = Step(env, state, host_positions, host=host or {})
         for fn in self.steps:
             fn(step)
         return [step.env[name] for name in self.graph.outputs]
@@ -521,7 +541,7 @@ class TritonProgram:
         with torch.inference_mode(), tuned:
             if not self.use_graph:
                 env: dict[str, Any] = dict(self._device_inputs(inputs))
-                return self._eager(state, env, inputs.get("positions"))
+                return self._eager(state, env, inputs.get("positions"), inputs)
             if self._cuda_graph is None or self._graph_state is not state:
                 self._capture(state, inputs)
             self._load_inputs(inputs)

@@ -1,0 +1,84 @@
+"""The attention op of a paged serving step (StepShape.paging) on the Triton executor.
+
+A step is one row of N tokens from many sequences; each layer's KV state is a pool of blocks
+[blocks, kv_heads, block_size, head_dim] (allocated from the graph's state specs like any other state), and
+the op's extra inputs are seq_index [N] (-1 for padding) and block_tables [slots, max_blocks]. Every real
+token's k/v is first written into its block (one kernel). Decode tokens (runs of one token of a sequence)
+then attend through the tables in one launch of paged.paged_decode_attention. A prefill chunk (a longer
+run) takes the CPU executor's route: its sequence's blocks are gathered into a contiguous cache (already
+holding the chunk's keys) and the contiguous prefill kernel runs on it; nothing needs putting back.
+
+A faster prefill route (not built): a varlen flash-attention kernel whose query tiles are BLOCK_M tokens of
+one sequence and whose key tiles are read through the block table, as the decode kernel reads them, so no
+gather copy is made and all chunks of a step run in one launch (the per-tile sequence map built on the host).
+The step splits its tokens on the host (the engine's inputs are host arrays), so paged steps run eagerly,
+never as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from poot_core import Node
+
+from .attention import prefill_attention
+from .launch import cdiv
+from .paged import gather_blocks, paged_decode_attention, write_paged_kv
+
+if TYPE_CHECKING:
+    from .program import Step
+
+
+def runs(seq_index: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """(sequence slot, first token, end token) of each run of consecutive tokens of one slot; padding
+    (slot -1) is skipped."""
+    slots = seq_index.tolist()
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                yield slots[start], start, i
+            start = i
+
+
+def bind_attention(node: Node) -> Callable[[Step], None]:
+    q_name, k_name, v_name, pos_name, kp_key, vp_key, seq_name, tab_name = (r.name for r in node.inputs)
+    a = node.attrs
+    scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
+    out_name, shape = node.output, node.shape
+
+    def run(s: Step) -> None:
+        q, k, v, pos = s.env[q_name][0], s.env[k_name][0], s.env[v_name][0], s.env[pos_name][0]
+        seqs, tables = s.env[seq_name], s.env[tab_name]
+        kp, vp = s.state[kp_key], s.state[vp_key]
+        write_paged_kv(k, v, kp, vp, pos, seqs, tables)
+        host_seqs, host_pos, host_tables = s.host[seq_name], s.host[pos_name][0], s.host[tab_name]
+        out = torch.zeros(q.shape[0], q.shape[1], vp.shape[-1], dtype=q.dtype, device=q.device)
+        found = list(runs(np.asarray(host_seqs)))
+        decode = [t0 for _, t0, t1 in found if t1 - t0 == 1]
+        if decode:
+            at = torch.as_tensor(decode, device=q.device)
+            out[at] = paged_decode_attention(q[at], kp, vp, pos[at], seqs[at], tables, scale=scale, window=window,
+                                             softcap=softcap)
+        block_size = kp.shape[2]
+        for slot, t0, t1 in found:
+            if t1 - t0 == 1:
+                continue
+            start, end = int(host_pos[t0]), int(host_pos[t1 - 1]) + 1
+            first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
+            lo = first // block_size
+            blocks = torch.as_tensor(host_tables[slot, lo : cdiv(end, block_size)], device=q.device)
+            kc, vc = gather_blocks(kp, blocks), gather_blocks(vp, blocks)
+            base = lo * block_size
+            out[t0:t1] = prefill_attention(q[t0:t1], kc, vc, start - base, kv_len=end - base, scale=scale,
+                                           window=window, softcap=softcap)
+        s.env[out_name] = out.reshape(shape)
+
+    return run
+
+
+__all__ = ["bind_attention", "runs"]
