@@ -8,6 +8,7 @@ from poot_core.blocks import AttentionSpec, attention_block, gated_mlp, projecti
 from poot_core.checkpoint.handle import LoadOptions, ModelHandle, Parts, WeightStore
 from poot_core.checkpoint.integrity import Manifest
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
+from poot_core.decoder import HF_ACTIVATIONS, DecoderParams, decoder_params_from_hf, trace_dense_decoder
 from poot_core.driver.constraints import Constraint
 from poot_core.driver.core import (
     Driver,
@@ -68,4 +69,5 @@ __all__ = [
     "AttentionSpec", "attention_block", "gated_mlp", "projection", "Parts", "DerivedWeight", "GGUFTensors",
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
+    "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
 ]

@@ -1,99 +1,20 @@
-"""Dense decoder configuration: one dataclass for llama, mistral, qwen2, qwen3 and gemma3, read from a
-Hugging Face config.json or from GGUF metadata."""
+"""The dense decoder's parameters (poot_core.DecoderParams) from GGUF metadata, as llama.cpp reads them; from a
+Hugging Face config.json they come from poot_core.decoder_params_from_hf."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from poot_core import (
     CheckpointError,
+    DecoderParams,
     GGUFKeys,
     GGUFTensors,
     ModelConfig,
     Reason,
     Unsupported,
-    require_key,
     rope_from_gguf,
-    rope_from_hf_config,
 )
-
-
-@dataclass
-class DecoderParams:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    norm_eps: float
-    # Per layer: rope base, rope scaling dict, sliding window (None: global attention).
-    layer_theta: list[float]
-    layer_scaling: list[dict[str, Any]]
-    layer_window: list[int | None]
-    rotary_dim: int
-    tie_embeddings: bool = False
-    qk_norm: bool = False
-    act: str = "silu"
-    embed_scale: float | None = None
-    norm_offset: float = 0.0  # gemma stores w - 1 and multiplies by (1 + w)
-    sandwich_norms: bool = False  # gemma3: post-attention and pre/post feed-forward norms
-    attn_scale: float = 0.0
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    rope_style: str = "neox"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-               "gelu": "gelu"}
-
-
-def params_from_hf(hf: dict[str, Any], model_type: str) -> DecoderParams:
-    layers = int(require_key(hf, "num_hidden_layers"))
-    hidden = int(require_key(hf, "hidden_size"))
-    heads = int(require_key(hf, "num_attention_heads"))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    gemma = model_type.startswith("gemma3")
-    window = hf.get("sliding_window")
-    types = hf.get("layer_types")
-    if not types:
-        if gemma:
-            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-        elif model_type == "mistral" and window:
-            types = ["sliding_attention"] * layers
-        elif model_type == "qwen2" and hf.get("use_sliding_window") and window:
-            start = int(hf.get("max_window_layers", layers))
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-        else:
-            types = ["full_attention"] * layers
-    if model_type == "qwen2" and not hf.get("use_sliding_window"):
-        types = ["full_attention"] * layers  # qwen2 ignores its sliding_window unless use_sliding_window
-    ropes = [rope_from_hf_config(hf, t) for t in types]
-    act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    if act_name not in ACTIVATIONS:
-        raise Unsupported(Reason.OPERATION, f"activation {act_name}", f"{model_type} config")
-    partial = float(hf.get("partial_rotary_factor", 1.0))
-    return DecoderParams(
-        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=int(require_key(hf, "intermediate_size")),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        layer_theta=[r[0] for r in ropes], layer_scaling=[r[1] for r in ropes],
-        layer_window=[int(window) if t == "sliding_attention" and window else None for t in types],
-        rotary_dim=int(head_dim * partial),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        qk_norm=model_type in ("qwen3",) or gemma,
-        act=ACTIVATIONS[act_name],
-        embed_scale=hidden**0.5 if gemma else None,
-        norm_offset=1.0 if gemma else 0.0,
-        sandwich_norms=gemma,
-        attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else head_dim**-0.5,
-        attn_softcap=hf.get("attn_logit_softcapping") if gemma else None,
-        final_softcap=hf.get("final_logit_softcapping") if gemma else None,
-    )
 
 
 def params_from_gguf(keys: GGUFKeys, tensors: GGUFTensors, model_type: str) -> DecoderParams:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from poot_core import (
+    DecoderParams,
     Family,
     GGUFKeys,
     GGUFNames,
@@ -13,12 +14,13 @@ from poot_core import (
     ModelConfig,
     StepShape,
     Tracer,
+    decoder_params_from_hf,
     eos_ids,
     hookimpl,
     require_key,
+    trace_dense_decoder,
 )
-from poot_family_llama.config import DecoderParams, model_config, params_from_gguf, params_from_hf
-from poot_family_llama.model import trace_decoder
+from poot_family_llama.config import model_config, params_from_gguf
 
 # llama.cpp's names beyond the shared ones: gemma3's sandwich norms (its ffn_norm is the pre-feed-forward one).
 GGUF_NAMES = GGUFNames().extended({"post_attention_norm": "post_attention_layernorm",
@@ -30,7 +32,7 @@ class DenseDecoder(Family):
     """One dense decoder family; instances differ by name, the names they serve and small quirks."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        p = params_from_hf(hf, self.model_type)
+        p = decoder_params_from_hf(hf, self.model_type)
         arch = (hf.get("architectures") or [hf.get("model_type", self.name)])[0]
         return model_config(self.name, arch, p, int(require_key(hf, "vocab_size")),
                             int(hf.get("max_position_embeddings", 2048)), eos_ids(hf.get("eos_token_id")),
@@ -52,7 +54,7 @@ class DenseDecoder(Family):
         return names.map(name, self.name)
 
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        trace_decoder(config, t)
+        trace_dense_decoder(config, t)
 
 
 FAMILIES = [

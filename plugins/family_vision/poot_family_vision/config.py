@@ -6,8 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poot_core import ModelConfig, Reason, Unsupported, eos_ids, require_key
-from poot_family_llama.config import ACTIVATIONS, DecoderParams, params_from_hf
+from poot_core import (
+    HF_ACTIVATIONS,
+    DecoderParams,
+    ModelConfig,
+    Reason,
+    Unsupported,
+    decoder_params_from_hf,
+    eos_ids,
+    require_key,
+)
 
 
 @dataclass
@@ -43,7 +51,7 @@ def vision_params(vc: dict[str, Any], scale_factor: int) -> VisionParams:
     hidden = int(require_key(vc, "hidden_size", "vision_config"))
     heads = int(require_key(vc, "num_attention_heads", "vision_config"))
     act = vc.get("hidden_act", "gelu_pytorch_tanh")
-    if act not in ACTIVATIONS:
+    if act not in HF_ACTIVATIONS:
         raise Unsupported(Reason.OPERATION, f"vision activation {act}", "Idefics3 config")
     image_size = int(require_key(vc, "image_size", "vision_config"))
     patch = int(require_key(vc, "patch_size", "vision_config"))
@@ -54,7 +62,7 @@ def vision_params(vc: dict[str, Any], scale_factor: int) -> VisionParams:
     layers = int(require_key(vc, "num_hidden_layers", "vision_config"))
     intermediate = int(require_key(vc, "intermediate_size", "vision_config"))
     return VisionParams(layers=layers, hidden=hidden, heads=heads, head_dim=hidden // heads, intermediate=intermediate,
-                        norm_eps=float(vc.get("layer_norm_eps", 1e-6)), act=ACTIVATIONS[act], image_size=image_size,
+                        norm_eps=float(vc.get("layer_norm_eps", 1e-6)), act=HF_ACTIVATIONS[act], image_size=image_size,
                         patch=patch, scale_factor=scale_factor)
 
 
@@ -63,7 +71,7 @@ def model_config(family: str, hf: dict[str, Any]) -> ModelConfig:
     text_type = str(tc.get("model_type", "llama"))
     if text_type != "llama":
         raise Unsupported(Reason.REGISTRY, f"{family} with a {text_type} text model", "only llama text models so far")
-    text = params_from_hf(tc, "llama")
+    text = decoder_params_from_hf(tc, "llama")
     scale = int(hf.get("scale_factor", 2))
     params = VisionLanguageParams(text=text, vision=vision_params(vc, scale),
                                   image_token_id=int(require_key(hf, "image_token_id", "config.json")))

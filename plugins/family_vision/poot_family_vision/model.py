@@ -6,7 +6,7 @@ weight seen as a matrix) + position embeddings -> pre-norm encoder blocks (bidir
 and one projection into the text model's width. Outputs: the tower's hidden state [N, P, Dv] and the image
 features [N, P / s^2, Dt].
 
-The text step is poot-family-llama's dense decoder read under `model.text_model.`; when the step carries
+The text step is poot_core's dense decoder (trace_dense_decoder) read under `model.text_model.`; when the step carries
 images, their features replace the embeddings of the image tokens (the splice op).
 """
 
@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from poot_core import ModelConfig, StepShape, Tracer, Value
-from poot_family_llama.model import trace_decoder
+from poot_core import ModelConfig, StepShape, Tracer, Value, trace_dense_decoder
 from poot_family_vision.config import VisionLanguageParams, VisionParams
 
 VISION = "model.vision_model."
@@ -60,7 +59,7 @@ class TextTracer:
 
 def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0) -> None:
     p: VisionLanguageParams = cfg.params
-    trace_decoder(replace(cfg, params=p.text), TextTracer(t, images))  # type: ignore[arg-type]
+    trace_dense_decoder(replace(cfg, params=p.text), TextTracer(t, images))  # type: ignore[arg-type]
 
 
 def vision_shape(p: VisionParams, images: int) -> StepShape:
