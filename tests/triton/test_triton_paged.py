@@ -90,9 +90,16 @@ def test_paged_write_puts_each_token_in_its_block():
 
 # --- the serving engine on the Triton executor -----------------------------------------------------------------
 
-CAPACITY, CHUNK = 16, 4
-PROMPTS = [[(7 * i + 3 * j + 1) % 250 + 2 for j in range(n)] for i, n in enumerate((2, 7, 4))]
+CAPACITY, CHUNK = 20, 4
 NEW = 3  # the first token from prefill, two from decode steps
+# blocks of 4 positions, chunks of 4 tokens: the 7-token prompt spans two blocks and two chunks, and steps mix its
+# second chunk with the others' decode tokens; mistral's window of 8 drops whole blocks from the 14-token
+# prompt's last chunk and from its decode tokens
+LENGTHS = {"llama": (2, 7, 4), "mistral": (2, 14, 4)}
+
+
+def _prompts(arch: str) -> list[list[int]]:
+    return [[(7 * i + 3 * j + 1) % 250 + 2 for j in range(n)] for i, n in enumerate(LENGTHS[arch])]
 
 
 def _options(**serve) -> DriverOptions:
@@ -103,30 +110,26 @@ def _options(**serve) -> DriverOptions:
 
 
 def _served(handle, executor, prompts):
-    # blocks of 4 positions, chunks of 4 tokens: the 7-token prompt spans two blocks and two chunks, and steps mix
-    # its second chunk with the others' decode tokens
     engine = Driver(handle, executor, _options(block_size=4, step_tokens=8, max_running=4,
-                                               kv_blocks=16)).serve(Layout.PAGED)
+                                               kv_blocks=20)).serve(Layout.PAGED)
     engine.keep_logits = True
     gens = engine.generate_batch([GenerateRequest(list(p), max_new=NEW, ignore_eos=True) for p in prompts])
     return gens, [np.stack(engine.logits[i]) for i in range(len(prompts))]
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_triton_engine_equals_contiguous_tokens_and_cpu_engine_logits(arch, tmp_path_factory):
     # one decoder layer: the interpreter's cost is per kernel launch, and one layer covers every op's paged form
-    return ModelHandle.load(tiny.build(tmp_path_factory.mktemp("llama1"), "llama", layers=1))
-
-
-def test_triton_engine_equals_contiguous_tokens_and_cpu_engine_logits(llama):
+    handle = ModelHandle.load(tiny.build(tmp_path_factory.mktemp(arch), arch, layers=1))
+    prompts = _prompts(arch)
     ex = _executor()
     assert "paged" in ex.capabilities().layouts
-    gens, logits = _served(llama, ex, PROMPTS)
-    solo = Driver(llama, ex, _options())
-    for i, prompt in enumerate(PROMPTS):
+    gens, logits = _served(handle, ex, prompts)
+    solo = Driver(handle, ex, _options())
+    for i, prompt in enumerate(prompts):
         alone = solo.generate(GenerateRequest(list(prompt), max_new=NEW, ignore_eos=True))
         assert gens[i].tokens == alone.tokens, f"request {i}"
-    _, cpu_logits = _served(llama, open_executor("cpu"), PROMPTS)
+    _, cpu_logits = _served(handle, open_executor("cpu"), prompts)
     for i, (ours, ref) in enumerate(zip(logits, cpu_logits, strict=True)):
         assert ours.shape == ref.shape == (NEW, ours.shape[1])
         assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, f"request {i}"

@@ -56,29 +56,43 @@ def bind_attention(node: Node) -> Callable[[Step], None]:
         seqs, tables = s.env[seq_name], s.env[tab_name]
         kp, vp = s.state[kp_key], s.state[vp_key]
         write_paged_kv(k, v, kp, vp, pos, seqs, tables)
-        host_seqs, host_pos, host_tables = s.host[seq_name], s.host[pos_name][0], s.host[tab_name]
+        key = ("paged", seq_name, window, kp.shape[2])  # every layer of this window shares the step's split
+        plan = s.cache.get(key)
+        if plan is None:
+            plan = s.cache[key] = _plan(s.host[seq_name], s.host[pos_name][0], s.host[tab_name], window,
+                                        kp.shape[2], q.device)
+        decode, chunks = plan
         out = torch.zeros(q.shape[0], q.shape[1], vp.shape[-1], dtype=q.dtype, device=q.device)
-        found = list(runs(np.asarray(host_seqs)))
-        decode = [t0 for _, t0, t1 in found if t1 - t0 == 1]
-        if decode:
-            at = torch.as_tensor(decode, device=q.device)
-            out[at] = paged_decode_attention(q[at], kp, vp, pos[at], seqs[at], tables, scale=scale, window=window,
-                                             softcap=softcap)
-        block_size = kp.shape[2]
-        for slot, t0, t1 in found:
-            if t1 - t0 == 1:
-                continue
-            start, end = int(host_pos[t0]), int(host_pos[t1 - 1]) + 1
-            first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
-            lo = first // block_size
-            blocks = torch.as_tensor(host_tables[slot, lo : cdiv(end, block_size)], device=q.device)
+        if decode is not None:
+            out[decode] = paged_decode_attention(q[decode], kp, vp, pos[decode], seqs[decode], tables, scale=scale,
+                                                 window=window, softcap=softcap)
+        for t0, t1, blocks, start, kv_len in chunks:
             kc, vc = gather_blocks(kp, blocks), gather_blocks(vp, blocks)
-            base = lo * block_size
-            out[t0:t1] = prefill_attention(q[t0:t1], kc, vc, start - base, kv_len=end - base, scale=scale,
-                                           window=window, softcap=softcap)
+            out[t0:t1] = prefill_attention(q[t0:t1], kc, vc, start, kv_len=kv_len, scale=scale, window=window,
+                                           softcap=softcap)
         s.env[out_name] = out.reshape(shape)
 
     return run
+
+
+Chunk = tuple[int, int, torch.Tensor, int, int]  # tokens [t0, t1), their blocks, start and kv_len in those blocks
+
+
+def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, window: int | None, block_size: int,
+          device: torch.device) -> tuple[torch.Tensor | None, list[Chunk]]:
+    """The step's decode tokens (a device index, None without any) and its prefill chunks, from the host inputs."""
+    found = list(runs(np.asarray(seq_index)))
+    decode = [t0 for _, t0, t1 in found if t1 - t0 == 1]
+    chunks = []
+    for slot, t0, t1 in found:
+        if t1 - t0 == 1:
+            continue
+        start, end = int(positions[t0]), int(positions[t1 - 1]) + 1
+        first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
+        lo = first // block_size
+        blocks = torch.as_tensor(tables[slot, lo : cdiv(end, block_size)], device=device)
+        chunks.append((t0, t1, blocks, start - lo * block_size, end - lo * block_size))
+    return (torch.as_tensor(decode, device=device) if decode else None), chunks
 
 
 __all__ = ["bind_attention", "runs"]
