@@ -19,6 +19,9 @@ from poot_kernels_triton.paged import paged_decode_attention, write_paged_kv
 
 DEVICE = torch.device("cpu" if interpreted() else "cuda")
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2}  # ||out - ref|| / ||ref|| by the output's dtype
+# engine logits against the CPU engine's, max |diff| / max |ref|: float32 rounding in the interpreter; on a GPU the
+# float32 products may round through tf32, so the conformance suite's GPU float32 bound
+LOGIT_BOUND = 1e-5 if interpreted() else 1e-2
 
 
 def _executor() -> TritonExecutor:
@@ -132,7 +135,7 @@ def test_triton_engine_equals_contiguous_tokens_and_cpu_engine_logits(arch, tmp_
     _, cpu_logits = _served(handle, open_executor("cpu"), prompts)
     for i, (ours, ref) in enumerate(zip(logits, cpu_logits, strict=True)):
         assert ours.shape == ref.shape == (NEW, ours.shape[1])
-        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, f"request {i}"
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < LOGIT_BOUND, f"request {i}"
 
 
 def test_latent_attention_refuses_the_paged_layout_by_name(tmp_path_factory):
