@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _check_attention_options, _decode_reduce_kernel, _scores
+from . import attention  # its merge kernel by module: a kernel imported by name would count as this module's
+from .attention import _check_attention_options, _scores
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
 from .matmul import dot
 from .tuning import Tile, tuning_for_device
@@ -280,7 +281,7 @@ def paged_decode_attention(
         UPCAST=tuning.upcast_dot,
     )
     launch(
-        _decode_reduce_kernel,
+        attention._decode_reduce_kernel,
         (tokens, q_heads),
         Tile(num_warps=min(4, tuning.row_warps), num_stages=1),
         mid_o_ptr=mid_o,
