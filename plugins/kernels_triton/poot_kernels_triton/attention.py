@@ -226,6 +226,35 @@ def prefill_attention(
 
 
 @triton.jit
+def decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One tile of keys and values folded into a decode query group's running softmax (base 2): the running
+    maximum m_i, the sum l_i and the weighted values acc. Shared by the contiguous and the paged decode."""
+    s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
+    s = tl.where(kv_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_split(mid_o_ptr, mid_lse_ptr, row, heads, split, offs_d, hmask, dmask, acc, l_i, m_i, mo_stride_b,
+                mo_stride_h, mo_stride_s, ml_stride_b, ml_stride_h):  # fmt: skip
+    """A split's normalised output and log-sum-exp (base 2; -inf for a split that saw no key) for the reduce
+    kernel."""
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    tl.store(
+        mid_o_ptr + row * mo_stride_b + heads[:, None] * mo_stride_h + split * mo_stride_s + offs_d[None, :],
+        out,
+        mask=hmask[:, None] & dmask[None, :],
+    )
+    tl.store(mid_lse_ptr + row * ml_stride_b + heads * ml_stride_h + split, lse, mask=hmask)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -290,22 +319,9 @@ def _decode_split_kernel(
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < hi
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
-        s = tl.where(kv_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(
-        mid_o_ptr + b * mo_stride_b + heads[:, None] * mo_stride_h + split * mo_stride_s + offs_d[None, :],
-        out,
-        mask=hmask[:, None] & dmask[None, :],
-    )
-    tl.store(mid_lse_ptr + b * ml_stride_b + heads * ml_stride_h + split, lse, mask=hmask)
+        m_i, l_i, acc = decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+    store_split(mid_o_ptr, mid_lse_ptr, b, heads, split, offs_d, hmask, dmask, acc, l_i, m_i, mo_stride_b,
+                mo_stride_h, mo_stride_s, ml_stride_b, ml_stride_h)  # fmt: skip
 
 
 @triton.jit

@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from . import attention  # its merge kernel by module: a kernel imported by name would count as this module's
-from .attention import _check_attention_options, _scores
+from .attention import _check_attention_options, decode_tile, store_split
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
-from .matmul import dot
 from .tuning import Tile, tuning_for_device
 
 
@@ -185,23 +184,9 @@ def _paged_decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        # the online softmax of attention._decode_split_kernel, over keys read through the table
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
-        s = tl.where(kv_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(
-        mid_o_ptr + t * mo_stride_b + heads[:, None] * mo_stride_h + split * mo_stride_s + offs_d[None, :],
-        out,
-        mask=hmask[:, None] & dmask[None, :],
-    )
-    tl.store(mid_lse_ptr + t * ml_stride_b + heads * ml_stride_h + split, lse, mask=hmask)
+        m_i, l_i, acc = decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+    store_split(mid_o_ptr, mid_lse_ptr, t, heads, split, offs_d, hmask, dmask, acc, l_i, m_i, mo_stride_b,
+                mo_stride_h, mo_stride_s, ml_stride_b, ml_stride_h)  # fmt: skip
 
 
 def paged_decode_attention(
