@@ -12,25 +12,13 @@ bit the logits-path inputs a contiguous decode step gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from poot_core.cpu import ops
-
-Span = tuple[int, int, int]  # (sequence slot, first token, end token) of one sequence's run in the step
-
-
-def spans(seq_index: torch.Tensor) -> Iterator[Span]:
-    """The runs of consecutive tokens of one sequence slot (padding, slot -1, skipped)."""
-    slots = seq_index.tolist()
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[start]:
-            if slots[start] >= 0:
-                yield slots[start], start, i
-            start = i
+from poot_core.graph import sequence_runs
 
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -62,7 +50,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
     block_size = k_pool.shape[2]
     out = torch.zeros(*q.shape[:3], v.shape[-1])
-    runs = list(spans(seq_index))
+    runs = list(sequence_runs(seq_index))
     short = [r for r in runs if r[2] - r[1] <= MAX_QUERIES]  # decode tokens: through the tables, one C call
     if short:
         at = torch.tensor([t for _, t0, t1 in short for t in range(t0, t1)])
@@ -92,7 +80,7 @@ def latent_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
     pool [blocks, 1, B, L + dr], cos/sin [1, N, 1, dr / 2]. Returns [1, N, H, v_dim]."""
     block_size = pool.shape[2]
     out = torch.zeros(*q.shape[:3], a["v_dim"])
-    for slot, t0, t1 in spans(seq_index):
+    for slot, t0, t1 in sequence_runs(seq_index):
         pos = positions[0, t0:t1]
         blocks, _ = _blocks_of(tables[slot], 0, int(pos[-1]) + 1, block_size)
         cache = _gather(pool, blocks)

@@ -24,10 +24,11 @@ from poot_core.graph.ir import (
     Value,
     ValueRef,
     WeightRef,
+    sequence_runs,
 )
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
 from poot_core.graph.tracer import Tracer
 
 __all__ = ["OPS", "RECURRENT_KINDS", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec",
            "StepShape",
-           "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes"]
+           "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes", "sequence_runs"]

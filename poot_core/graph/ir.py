@@ -8,6 +8,7 @@ reference's type instead of parsing its name.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,18 @@ class Paging:
     block_size: int
     seqs: int
     max_blocks: int
+
+
+def sequence_runs(seq_index: Any) -> Iterator[tuple[int, int, int]]:
+    """(sequence slot, first token, end token) of each run of consecutive tokens of one slot in a paged step's
+    seq_index (a tensor, array or list); padding (slot -1) is skipped."""
+    slots = seq_index.tolist() if hasattr(seq_index, "tolist") else list(seq_index)
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                yield slots[start], start, i
+            start = i
 
 
 @dataclass(frozen=True)

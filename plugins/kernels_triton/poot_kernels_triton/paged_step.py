@@ -17,13 +17,13 @@ never as CUDA graphs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from poot_core import Node
+from poot_core.graph import Node, sequence_runs
 
 from .attention import prefill_attention
 from .launch import cdiv
@@ -31,18 +31,6 @@ from .paged import gather_blocks, paged_decode_attention, write_paged_kv
 
 if TYPE_CHECKING:
     from .program import Step
-
-
-def runs(seq_index: np.ndarray) -> Iterator[tuple[int, int, int]]:
-    """(sequence slot, first token, end token) of each run of consecutive tokens of one slot; padding
-    (slot -1) is skipped."""
-    slots = seq_index.tolist()
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[start]:
-            if slots[start] >= 0:
-                yield slots[start], start, i
-            start = i
 
 
 def bind_attention(node: Node) -> Callable[[Step], None]:
@@ -81,7 +69,7 @@ Chunk = tuple[int, int, torch.Tensor, int, int]  # tokens [t0, t1), their blocks
 def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, window: int | None, block_size: int,
           device: torch.device) -> tuple[torch.Tensor | None, list[Chunk]]:
     """The step's decode tokens (a device index, None without any) and its prefill chunks, from the host inputs."""
-    found = list(runs(np.asarray(seq_index)))
+    found = list(sequence_runs(np.asarray(seq_index)))
     decode = [t0 for _, t0, t1 in found if t1 - t0 == 1]
     chunks = []
     for slot, t0, t1 in found:
@@ -95,4 +83,4 @@ def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, wind
     return (torch.as_tensor(decode, device=device) if decode else None), chunks
 
 
-__all__ = ["bind_attention", "runs"]
+__all__ = ["bind_attention"]
