@@ -16,7 +16,7 @@ from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
 from .matmul import dot
-from .tuning import Tile, tuning_for_device
+from .tuning import Tile, Tuning, tuning_for_device
 
 _LOG2E = 1.4426950408889634
 
@@ -141,7 +141,7 @@ def _check_attention_options(causal: bool, window: int | None, softcap: float | 
         require(softcap > 0, f"soft-cap must be positive, got {softcap}")
 
 
-def _score_args(head_dim: int, scale: float | None, softcap: float | None, window: int | None) -> dict:
+def score_args(head_dim: int, scale: float | None, softcap: float | None, window: int | None) -> dict:
     """The score arguments both attention kernels take: the scale (1/sqrt(head_dim) unless given), the softcap
     (1.0 when off: the kernels test HAS_SOFTCAP), the window (0 when off) and the head size."""
     return {"scale": float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
@@ -204,7 +204,7 @@ def prefill_attention(
         tokens=tokens,
         start=start,
         kv_len=kv_len,
-        **_score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_h=k_cache.stride(0),
@@ -421,7 +421,7 @@ def decode_attention(
         mid_o_ptr=mid_o,
         mid_lse_ptr=mid_lse,
         split_size=split_size,
-        **_score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window),
         q_stride_b=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_b=k_cache.stride(0),
@@ -443,14 +443,22 @@ def decode_attention(
         HAS_SOFTCAP=softcap is not None,
         UPCAST=tuning.upcast_dot,
     )
+    merge_splits(mid_o, mid_lse, out, tuning)
+    return out
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, tuning: Tuning) -> None:
+    """out [rows, q_heads, head_dim] from the splits' outputs mid_o [rows, q_heads, splits, head_dim] and
+    log-sum-exps mid_lse [rows, q_heads, splits] (the second kernel of every split decode)."""
+    rows, q_heads, splits, head_dim = mid_o.shape
     launch(
         _decode_reduce_kernel,
-        (batch, q_heads),
+        (rows, q_heads),
         Tile(num_warps=min(4, tuning.row_warps), num_stages=1),
         mid_o_ptr=mid_o,
         mid_lse_ptr=mid_lse,
         o_ptr=out,
-        splits=num_splits,
+        splits=splits,
         head_dim=head_dim,
         mo_stride_b=mid_o.stride(0),
         mo_stride_h=mid_o.stride(1),
@@ -459,7 +467,6 @@ def decode_attention(
         ml_stride_h=mid_lse.stride(1),
         o_stride_b=out.stride(0),
         o_stride_h=out.stride(1),
-        BLOCK_S=next_pow2(num_splits),
+        BLOCK_S=next_pow2(splits),
         BLOCK_D=next_pow2(head_dim),
     )
-    return out

@@ -10,14 +10,11 @@ launch, so a token's arithmetic does not depend on its neighbours.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from . import attention  # its merge kernel by module: a kernel imported by name would count as this module's
-from .attention import _check_attention_options, decode_tile, store_split
+from .attention import _check_attention_options, decode_tile, merge_splits, score_args, store_split
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
 from .tuning import Tile, tuning_for_device
 
@@ -242,10 +239,7 @@ def paged_decode_attention(
         mid_lse_ptr=mid_lse,
         split_size=split_size,
         block_size=block_size,
-        scale=float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
-        softcap=float(softcap or 1.0),
-        window=int(window or 0),
-        head_dim=head_dim,
+        **score_args(head_dim, scale, softcap, window),
         tab_stride=tables.stride(0),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
@@ -265,25 +259,7 @@ def paged_decode_attention(
         HAS_SOFTCAP=softcap is not None,
         UPCAST=tuning.upcast_dot,
     )
-    launch(
-        attention._decode_reduce_kernel,
-        (tokens, q_heads),
-        Tile(num_warps=min(4, tuning.row_warps), num_stages=1),
-        mid_o_ptr=mid_o,
-        mid_lse_ptr=mid_lse,
-        o_ptr=out,
-        splits=num_splits,
-        head_dim=head_dim,
-        mo_stride_b=mid_o.stride(0),
-        mo_stride_h=mid_o.stride(1),
-        mo_stride_s=mid_o.stride(2),
-        ml_stride_b=mid_lse.stride(0),
-        ml_stride_h=mid_lse.stride(1),
-        o_stride_b=out.stride(0),
-        o_stride_h=out.stride(1),
-        BLOCK_S=next_pow2(num_splits),
-        BLOCK_D=next_pow2(head_dim),
-    )
+    merge_splits(mid_o, mid_lse, out, tuning)
     return out
 
 
