@@ -226,6 +226,22 @@ def prefill_attention(
 
 
 @triton.jit
+def group_query(q_row, kvh, q_stride_h, head_dim, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                UPCAST: tl.constexpr):  # fmt: skip
+    """One token's query heads of kv head kvh's group (BLOCK_H rows, the first GROUP real) from its row q_row:
+    (q, heads, hmask, offs_d, dmask)."""
+    g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+    q = tl.load(q_row + heads[:, None] * q_stride_h + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, heads, hmask, offs_d, dmask
+
+
+@triton.jit
 def decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """One tile of keys and values folded into a decode query group's running softmax (base 2): the running
     maximum m_i, the sum l_i and the weighted values acc. Shared by the contiguous and the paged decode."""
@@ -291,19 +307,9 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    g = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + g
-    hmask = g < GROUP
+    q, heads, hmask, offs_d, dmask = group_query(q_ptr + b * q_stride_b, kvh, q_stride_h, head_dim, GROUP,
+                                                 BLOCK_H, BLOCK_D, UPCAST)  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < head_dim
-    q = tl.load(
-        q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
-        mask=hmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
     lo = split * split_size
     hi = tl.minimum(lo + split_size, kv_len)

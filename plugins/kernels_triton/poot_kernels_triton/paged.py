@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _check_attention_options, decode_tile, merge_splits, score_args, store_split
+from .attention import _check_attention_options, decode_tile, group_query, merge_splits, score_args, store_split
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
 from .tuning import Tile, tuning_for_device
 
@@ -146,19 +146,9 @@ def _paged_decode_split_kernel(
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    g = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + g
-    hmask = g < GROUP
+    q, heads, hmask, offs_d, dmask = group_query(q_ptr + t * q_stride_t, kvh, q_stride_h, head_dim, GROUP,
+                                                 BLOCK_H, BLOCK_D, UPCAST)  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < head_dim
-    q = tl.load(
-        q_ptr + t * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
-        mask=hmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
     seq = tl.load(seq_ptr + t)
     # the token sits at its position and sees keys 0 .. position (a padding token, slot -1, sees none)
     kv_len = tl.where(seq >= 0, tl.load(pos_ptr + t).to(tl.int32) + 1, 0)
