@@ -109,7 +109,7 @@ def test_activation_matches_cpu(act):
 
     node = Node("activation", ("x",), "y", tuple(x.shape), {"act": act})
     binder = Binder(graph, type("W", (), {"act_dtype": torch.float32})(), lambda *a: None)
-    step = Step({"x": x}, {}, None)
+    step = Step({"x": x}, {})
     binder.bind(node)(step)
     assert torch.allclose(step.env["y"], cpu_ops.activation(x, act), atol=1e-6)
 
@@ -126,12 +126,12 @@ def test_encoder_attention_with_a_hole_in_the_mask_falls_back(tmp_path):
     graph = type("G", (), {"nodes": [], "outputs": [], "shape": StepShape(2, 6, 8)})()
     binder = Binder(graph, type("W", (), {"act_dtype": torch.float32})(), lambda *a: None)
     node = Node("encoder_attention", ("q", "k", "v", "m"), "o", (2, 6, 4, 16), {"scale": 0.25})
-    step = Step({"q": q, "k": k, "v": v, "m": mask}, {}, None)
+    step = Step({"q": q, "k": k, "v": v, "m": mask}, {})
     binder.bind(node)(step)
     ref = cpu_ops.encoder_attention(q, k, v, mask, 0.25)
     assert rel(step.env["o"].numpy(), ref.numpy()) <= 1e-5
     # the prefix-shaped row alone goes through the kernel
-    step = Step({"q": q[:1], "k": k[:1], "v": v[:1], "m": mask[:1]}, {}, None)
+    step = Step({"q": q[:1], "k": k[:1], "v": v[:1], "m": mask[:1]}, {})
     node1 = Node("encoder_attention", ("q", "k", "v", "m"), "o", (1, 6, 4, 16), {"scale": 0.25})
     binder.bind(node1)(step)
     ref1 = cpu_ops.encoder_attention(q[:1], k[:1], v[:1], mask[:1], 0.25)

@@ -125,8 +125,7 @@ class TritonExecutor:
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
         # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
         # captured as CUDA graphs
-        use_graph = (self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
-                     and graph.shape.paging is None)
+        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:

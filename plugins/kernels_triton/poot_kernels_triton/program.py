@@ -40,15 +40,14 @@ ROPE_STYLES = frozenset({"neox", "interleaved"})
 
 @dataclass
 class Step:
-    """What one run sees: device inputs, host copies of the positions (prefill reads its start on the
-    host), the state buffers and the values computed so far; `host`: every input as given (numpy), for the
-    paged layout's attention, which splits the step into runs of sequences on the host (eager steps only)."""
+    """What one run sees: device inputs, the state buffers and the values computed so far; `host`: every input
+    as given (numpy) in eager steps, for the handlers that read them on the host (prefill and latent attention
+    their start positions, the paged layout's attention its runs of sequences); empty in captured steps."""
 
     env: dict[str, Any]
     state: dict[str, torch.Tensor]
-    host_positions: np.ndarray | None
-    cache: dict[str, Any] = field(default_factory=dict)
     host: dict[str, np.ndarray] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 StepFn = Callable[[Step], None]
@@ -253,7 +252,7 @@ class Binder:
                 return
             outs = []
             for r in range(rows):
-                start = int(s.host_positions[r, 0])
+                start = int(s.host["positions"][r, 0])
                 outs.append(
                     ktr.prefill_attention(q[r], kc[r], vc[r], start, scale=scale, window=window, softcap=softcap)
                 )
@@ -423,7 +422,7 @@ class Binder:
             latent, k_rot = latent.view(rows, tokens, latent_dim), k_rot.view(rows, tokens, dr)
             outs = []
             for r in range(rows):
-                start = int(s.host_positions[r, 0])
+                start = int(s.host["positions"][r, 0])
                 end = start + tokens
                 cache[r, 0, start:end, :latent_dim] = latent[r]
                 cache[r, 0, start:end, latent_dim:] = k_rot[r].to(cache.dtype)
@@ -515,13 +514,9 @@ class TritonProgram:
         self._outputs: list[torch.Tensor] = []
 
     def _eager(
-        self,
-        state: dict[str, torch.Tensor],
-        env: dict[str, Any],
-        host_positions: np.ndarray | None,
-        host: dict[str, np.ndarray] | None = None,
+        self, state: dict[str, torch.Tensor], env: dict[str, Any], host: dict[str, np.ndarray] | None = None
     ) -> list[Any]:
-        step = Step(env, state, host_positions, host=host or {})
+        step = Step(env, state, host or {})
         for fn in self.steps:
             fn(step)
         return [step.env[name] for name in self.graph.outputs]
@@ -541,7 +536,7 @@ class TritonProgram:
         with torch.inference_mode(), tuned:
             if not self.use_graph:
                 env: dict[str, Any] = dict(self._device_inputs(inputs))
-                return self._eager(state, env, inputs.get("positions"), inputs)
+                return self._eager(state, env, inputs)
             if self._cuda_graph is None or self._graph_state is not state:
                 self._capture(state, inputs)
             self._load_inputs(inputs)
@@ -572,10 +567,10 @@ class TritonProgram:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._eager(state, dict(env), None)
+                self._eager(state, dict(env))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._outputs = self._eager(state, dict(env), None)
+            self._outputs = self._eager(state, dict(env))
         self._cuda_graph = graph
         self._graph_state = state
