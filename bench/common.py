@@ -1,5 +1,5 @@
 """Shared pieces of the benchmarks: the memory-bandwidth floor, timing, resident memory, llama.cpp as the peer,
-and writing results as JSON."""
+and writing results as JSON; the model shapes they build."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = Path(__file__).resolve().parent / "shapes"  # config.json of each model shape the benchmarks build
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # the version whose sdist scripts/fetch_test_data.py unpacks
+
+
+def hf_config(name: str) -> dict[str, Any]:
+    """The Hugging Face config of a model shape (bench/shapes/<name>.json: the fields of its config.json that
+    the benchmarks need)."""
+    return json.loads((SHAPES / f"{name}.json").read_text())
 
 
 def copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:

@@ -30,27 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-QWEN3_30B_A3B = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=6144,  # read by the config; every layer is an MoE layer here
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    model_type="qwen3_moe",
-    architectures=["Qwen3MoeForCausalLM"],
-)
+# every layer is an MoE layer; the config still reads intermediate_size
+QWEN3_30B_A3B = common.hf_config("qwen3_30b_a3b")
 SMOKE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2)

@@ -32,18 +32,7 @@ from gpu_decode import HF_LLAMA3_8B, llama_shapes  # noqa: E402
 
 import common  # noqa: E402
 
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+SMOLLM2_135M = common.hf_config("smollm2_135m")
 MODELS = {"smollm2": SMOLLM2_135M, "llama8b": HF_LLAMA3_8B}
 
 
