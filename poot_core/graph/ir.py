@@ -72,7 +72,12 @@ class StepShape:
     """rows: sequences per step; tokens: new tokens per row; capacity: KV positions per row.
     all_logits: logits for every new token (exactness tests, perplexity) or only the last one.
     hidden: return the final hidden state instead of logits (embeddings).
-    paging: the paged layout (serving), else None (each row owns a contiguous KV buffer of `capacity`)."""
+    paging: the paged layout (serving), else None (each row owns a contiguous KV buffer of `capacity`).
+    carry_hidden: besides the logits, output the final hidden state of every new token [R, T, D] (what a
+    multi-token-prediction draft reads).
+    mtp: the family's multi-token-prediction step instead of the model: inputs tokens, positions and hidden
+    [R, T, D] (the target's final hidden state at the position before each token); outputs logits and the
+    draft layer's own hidden state [R, T, D] (the next draft step's input)."""
 
     rows: int
     tokens: int
@@ -80,6 +85,8 @@ class StepShape:
     all_logits: bool = False
     hidden: bool = False
     paging: Paging | None = None
+    carry_hidden: bool = False
+    mtp: bool = False
 
 
 @dataclass(frozen=True)

@@ -144,9 +144,12 @@ class Tracer:
         if shape.hidden:
             self.output(x)
             return
+        hidden = x
         if not shape.all_logits:
             x = self.last_position(x)
         self.output(self.logits(x, head, softcap))
+        if shape.carry_hidden:
+            self.output(hidden)
 
     def splice(self, x: Value, features: Value, index: Value) -> Value:
         """x [R, T, D] with its flattened rows index [N] replaced by features [N, D] (image tokens)."""
