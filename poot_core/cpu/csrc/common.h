@@ -73,22 +73,28 @@ static inline void block_dot_rows(const float *v, const float *x, int64_t m, int
     }
 }
 
+#if defined(__AVX512F__) || POOT_AVX2
+/* What exp16 and exp8 share: x = k ln2 + r with k = round(x log2(e)) and ln2 in two parts (the high part has
+   few bits, so k * POOT_LN2_HI is exact), then p(r) = sum of r^i / i! for i <= 6 by Horner's rule, the
+   coefficients highest first. */
+#define POOT_LOG2E 1.44269504088896341f
+#define POOT_LN2_HI 0.693145751953125f
+#define POOT_LN2_LO 1.428606765330187e-06f
+#define POOT_EXP_TERMS 7
+static const float poot_exp_poly[POOT_EXP_TERMS] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f,
+                                                    0.5f, 1.0f, 1.0f};
+#endif
+
 #ifdef __AVX512F__
 /* exp(x) for 16 floats: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (about
    2 ulp, as vectorized exp libraries are); inputs below -104 give 0. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(POOT_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f),
-                                _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(POOT_LN2_LO), _mm512_fnmadd_ps(k, _mm512_set1_ps(POOT_LN2_HI), x));
+    __m512 p = _mm512_set1_ps(poot_exp_poly[0]);
+    for (int j = 1; j < POOT_EXP_TERMS; j++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(poot_exp_poly[j]));
     return _mm512_scalef_ps(p, k);
 }
 #endif
@@ -98,17 +104,11 @@ static inline __m512 exp16(__m512 x) {
    stays exact without AVX-512's scalef. Inputs below -104 give 0, above 89 infinity. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
-    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(POOT_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f),
-                                _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x));
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(POOT_LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(POOT_LN2_HI), x));
+    __m256 p = _mm256_set1_ps(poot_exp_poly[0]);
+    for (int j = 1; j < POOT_EXP_TERMS; j++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poot_exp_poly[j]));
     const __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
     const __m256i bias = _mm256_set1_epi32(127);
     const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
