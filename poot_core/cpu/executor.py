@@ -353,6 +353,11 @@ class _Binder:
 
         return recurrent.bind_ssm_scan(node, self.args(node), self.get)
 
+    def op_gated_delta(self, node: Node) -> StepFn:
+        from poot_core.cpu import recurrent
+
+        return recurrent.bind_gated_delta(node, self.args(node), self.get)
+
     def op_gated_rms_norm(self, node: Node) -> StepFn:
         from poot_core.cpu import recurrent
 

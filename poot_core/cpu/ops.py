@@ -183,6 +183,8 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
         return F.gelu(x)
     if act == "relu":
         return F.relu(x)
+    if act == "sigmoid":  # Qwen3-Next's attention output gate
+        return torch.sigmoid(x)
     raise ValueError(f"activation {act}")
 
 

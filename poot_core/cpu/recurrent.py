@@ -1,6 +1,7 @@
-"""The recurrent ops on the CPU: the short causal convolution, Mamba2's selective scan and its gated group norm.
+"""The recurrent ops on the CPU: the short causal convolution, Mamba2's selective scan and its gated group norm,
+the gated delta rule (Qwen3-Next).
 
-Each keeps its layer's fixed-size state (graph kinds "conv" and "ssm", float32) in the step's state dict: read
+Each keeps its layer's fixed-size state (graph kinds "conv", "ssm" and "delta", float32) in the step's state dict: read
 before the step, written after it, so prefill chunks and decode steps continue one sequence. Arithmetic is
 float32 whatever the weights' dtype (their small vectors are widened once, at bind time).
 """
@@ -132,19 +133,89 @@ def bind_ssm_scan(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> Ste
     return lambda e, s: ssm_scan(x(e, s), dt(e, s), a_log, b(e, s), c(e, s), d, dt_bias, state(e, s), chunk, limit)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float, group: int) -> torch.Tensor:
-    h = x.float() * F.silu(gate.float())
+def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The gated delta rule over T tokens in chunks (the WY form, as flash-linear-attention's chunked kernel):
+    q, k [R, H, T, Dk] (normalized, heads spread), v [R, H, T, Dv], g and beta [R, H, T], state [R, H, Dk, Dv]
+    updated in place. Within a chunk, with G the cumulative sum of g and A[i, j] = beta_i k_i . k_j e^(G_i - G_j)
+    for j < i, the chunk's corrections are U - W S, U = (I + A)^-1 (beta v), W = (I + A)^-1 (beta e^G k)."""
+    out = torch.empty_like(v)
+    S = state.clone()
+    for start in range(0, q.shape[2], chunk):
+        part = slice(start, start + chunk)
+        qc, kc, vc, gc, bc = q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part]
+        length = qc.shape[2]
+        cum = torch.cumsum(gc, dim=-1)  # [R, H, L]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, -torch.inf).exp()  # [R, H, L, L]
+        kb = kc * bc[..., None]
+        system = (kb @ kc.transpose(-1, -2)) * decay  # unit lower triangle: its diagonal is not read
+        u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+        fresh = u - w @ S  # [R, H, L, Dv]: what each token writes, beyond what the carried state predicts
+        out[:, :, part] = (qc * cum.exp()[..., None]) @ S + ((qc @ kc.transpose(-1, -2)) * decay) @ fresh
+        to_end = (cum[..., -1:] - cum).exp()[..., None]  # [R, H, L, 1]
+        S = S * cum[..., -1].exp()[..., None, None] + (kc * to_end).transpose(-1, -2) @ fresh
+    state.copy_(S)
+    return out
+
+
+def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor:
+    """One token per row, the recurrence itself: shapes as delta_chunked's with T = 1."""
+    S = state * g[..., 0].exp()[..., None, None]
+    kt, qt = k[:, :, 0], q[:, :, 0]  # [R, H, Dk]
+    delta = (v[:, :, 0] - torch.einsum("rhkv,rhk->rhv", S, kt)) * beta[:, :, 0, None]
+    S = S + kt[..., None] * delta[..., None, :]
+    state.copy_(S)
+    return torch.einsum("rhkv,rhk->rhv", S, qt)[:, :, None]
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, chunk: int,
+                eps: float) -> torch.Tensor:
+    """Tracer.gated_delta's arithmetic: q, k [R, T, Hk, Dk], v [R, T, Hv, Dv], a, b [R, T, Hv],
+    state [R, Hv, Dk, Dv] -> [R, T, Hv, Dv]."""
+    spread = v.shape[2] // k.shape[2]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [R, T, Hk, D] -> [R, Hv, T, D], normalized
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+        return x.repeat_interleave(spread, dim=2).transpose(1, 2)
+
+    q, k = heads(q) * q.shape[-1] ** -0.5, heads(k)
+    g = (-torch.exp(a_log) * F.softplus(a.float() + dt_bias)).transpose(1, 2)  # [R, Hv, T]
+    beta = torch.sigmoid(b.float()).transpose(1, 2)
+    v = v.float().transpose(1, 2)
+    y = delta_step(q, k, v, g, beta, state) if v.shape[2] == 1 else delta_chunked(q, k, v, g, beta, state, chunk)
+    return y.transpose(1, 2)
+
+
+def bind_gated_delta(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
+    q, k, v, a, b, _, _, state = args
+    a_log, dt_bias = (_small(get(node.inputs[i])).reshape(-1) for i in (5, 6))  # per value head [Hv]
+    chunk, eps = node.attrs["chunk"], node.attrs["eps"]
+    return lambda e, s: gated_delta(q(e, s), k(e, s), v(e, s), a(e, s), b(e, s), a_log, dt_bias, state(e, s), chunk,
+                                    eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float, group: int,
+                   norm_first: bool = False) -> torch.Tensor:
+    """Mamba2's norm of x * silu(gate) per group, or (norm_first) Qwen3-Next's silu(gate) * the norm of x."""
+    silu = F.silu(gate.float())
+    h = x.float() if norm_first else x.float() * silu
     grouped = h.reshape(*h.shape[:-1], h.shape[-1] // group, group)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return grouped.reshape(h.shape) * w
+    out = grouped.reshape(h.shape) * w
+    return out * silu if norm_first else out
 
 
 def bind_gated_rms_norm(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
     x, gate, _ = args
     w = _small(get(node.inputs[2])).reshape(-1)  # GGUF stores it [groups, group]
-    eps, group = node.attrs["eps"], node.attrs["group"]
-    return lambda e, s: gated_rms_norm(x(e, s), gate(e, s), w, eps, group)
+    eps, group, first = node.attrs["eps"], node.attrs["group"], node.attrs.get("norm_first", False)
+    return lambda e, s: gated_rms_norm(x(e, s), gate(e, s), w, eps, group, first)
 
 
-__all__ = ["bind_gated_rms_norm", "bind_short_conv", "bind_ssm_scan", "gated_rms_norm", "scan_chunked", "scan_step",
-           "short_conv", "ssm_scan"]
+__all__ = ["bind_gated_delta", "bind_gated_rms_norm", "bind_short_conv", "bind_ssm_scan", "delta_chunked", "delta_step",
+           "gated_delta", "gated_rms_norm", "scan_chunked", "scan_step", "short_conv", "ssm_scan"]

@@ -124,15 +124,17 @@ class Node:
 
 
 # State kinds that summarize a sequence's whole past in a fixed size (a convolution's last inputs, an SSM's
-# state), unlike KV, which holds one entry per position: such state cannot be cut back to a shorter prefix.
-RECURRENT_KINDS = frozenset({"conv", "ssm"})
+# state, a delta rule's state), unlike KV, which holds one entry per position: such state cannot be cut back to
+# a shorter prefix.
+RECURRENT_KINDS = frozenset({"conv", "ssm", "delta"})
 
 
 @dataclass
 class StateSpec:
     """A per-layer buffer that lives across steps (the KV cache). `shape` is per row set, e.g.
     [rows, kv_heads, capacity, head_dim]; `kind` names the content ("k", "v", "latent", ...; the
-    RECURRENT_KINDS "conv" [rows, channels, kernel - 1] and "ssm" [rows, heads, head_dim, state])."""
+    RECURRENT_KINDS "conv" [rows, channels, kernel - 1], "ssm" [rows, heads, head_dim, state] and "delta"
+    [rows, v_heads, k_head_dim, v_head_dim])."""
 
     name: str
     shape: tuple[int, ...]

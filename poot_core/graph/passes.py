@@ -65,13 +65,16 @@ OPS: dict[str, OpSpec] = {
                          "x's shape [R, T, C]; causal depthwise convolution, window carried; Tracer.short_conv"),
     "ssm_scan": OpSpec(("x", "dt", "a_log", "b", "c", "d", "dt_bias", "ssm_state"), ("layer", "chunk", "dt_limit"),
                        "x's shape [R, T, H, P]; Mamba2's selective scan, see Tracer.ssm_scan"),
+    "gated_delta": OpSpec(("q", "k", "v", "a", "b", "a_log", "dt_bias", "delta_state"), ("layer", "chunk", "eps"),
+                          "v's shape [R, T, Hv, Dv]; the gated delta rule (Qwen3-Next), see Tracer.gated_delta"),
     # vision-language families: image features [N, D] replace the rows of x [R, T, D] at flat indices index [N]
     "splice": OpSpec(("x", "features", "index"), (), "x's shape; x.reshape(-1, D)[index] = features"),
-    "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group"), "x's shape: rms_norm per group of x * silu(gate)"),
+    "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group", "norm_first"),
+                             "x's shape: rms_norm per group of x * silu(gate); norm_first: rms_norm(x) * silu(gate)"),
 }
 
 # The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
-HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_rms_norm"})
+HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_delta", "gated_rms_norm"})
 # The ops only vision-language families use, computed so far by the CPU executor alone.
 VISION_OPS = frozenset({"splice"})
 

@@ -228,6 +228,23 @@ class Tracer:
         return self.op("ssm_scan", (x, dt, a_log, b, c, d, dt_bias, state), x.shape, layer=layer, chunk=chunk,
                        dt_limit=(float(dt_limit[0]), float(dt_limit[1])))
 
-    def gated_rms_norm(self, x: Value, gate: Value, w: Value, *, eps: float, group: int) -> Value:
-        """w * rms_norm(x * silu(gate)), normalized over groups of `group` features of the last axis."""
-        return self.op("gated_rms_norm", (x, gate, w), x.shape, eps=eps, group=group)
+    def gated_delta(self, q: Value, k: Value, v: Value, a: Value, b: Value, a_log: Value, dt_bias: Value, *,
+                    layer: int, chunk: int, eps: float = 1e-6) -> Value:
+        """The gated delta rule (Qwen3-Next's Gated DeltaNet), per value head h of Hv (key head h // (Hv / Hk))
+        over the new tokens t, with q and k L2-normalized (q also scaled by Dk^-1/2):
+            g = -exp(a_log[h]) * softplus(a[t, h] + dt_bias[h]),  beta = sigmoid(b[t, h])
+            S = exp(g) * S;  S = S + k[t] (beta * (v[t, h] - S^T k[t]))^T      S [Dk, Dv]
+            y[t, h] = S^T q[t]
+        q, k [R, T, Hk, Dk], v [R, T, Hv, Dv], a and b [R, T, Hv]; S is the layer's state ("delta"
+        [R, Hv, Dk, Dv], zeros at a sequence's start). Prefill computes it in chunks of `chunk` tokens (the WY
+        form), decode one step at a time; the two differ in summation order only."""
+        rows, _, v_heads, v_dim = v.shape
+        state = self.state(f"delta{layer}", (rows, v_heads, k.shape[-1], v_dim), "delta")
+        return self.op("gated_delta", (q, k, v, a, b, a_log, dt_bias, state), v.shape, layer=layer, chunk=chunk,
+                       eps=eps)
+
+    def gated_rms_norm(self, x: Value, gate: Value, w: Value, *, eps: float, group: int,
+                       norm_first: bool = False) -> Value:
+        """w * rms_norm(x * silu(gate)), normalized over groups of `group` features of the last axis; with
+        `norm_first`, w * rms_norm(x) * silu(gate) (Qwen3-Next's gated norm)."""
+        return self.op("gated_rms_norm", (x, gate, w), x.shape, eps=eps, group=group, norm_first=norm_first)
