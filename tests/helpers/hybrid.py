@@ -1,5 +1,5 @@
-"""Tiny random hybrid checkpoints (Hugging Face): LFM2, Mamba2, Granite 4.0-H (dense and with routed experts)
-and Bamba."""
+"""Tiny random hybrid checkpoints (Hugging Face): LFM2, Mamba2, Granite 4.0-H (dense and with routed experts),
+Bamba and Qwen3-Next."""
 
 from __future__ import annotations
 
@@ -56,6 +56,14 @@ def hybrid_config(arch: str) -> Any:
                                          attention_multiplier=0.2, logits_scaling=8.0)
     if arch == "bamba":  # rope on half of each head
         return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
+    if arch == "qwen3next":  # 2 key heads for 4 value heads; MoE (2 of 4 + the shared expert) but in layer 2
+        return tf.Qwen3NextConfig(**common, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                  num_experts_per_tok=2, mlp_only_layers=[2], max_position_embeddings=512,
+                                  layer_types=["linear_attention", "full_attention", "linear_attention",
+                                               "full_attention"], tie_word_embeddings=False)
     raise ValueError(arch)
 
 

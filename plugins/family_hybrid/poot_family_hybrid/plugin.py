@@ -1,5 +1,6 @@
-"""poot-family-hybrid's entry point: LFM2, Mamba2, Granite 4.0-H (dense and with routed experts) and Bamba from
-Hugging Face checkpoints; LFM2, Mamba2 and Granite 4.0-H (llama.cpp's granitehybrid) from GGUF files too."""
+"""poot-family-hybrid's entry point: LFM2, Mamba2, Granite 4.0-H (dense and with routed experts), Bamba and
+Qwen3-Next from Hugging Face checkpoints; LFM2, Mamba2 and Granite 4.0-H (llama.cpp's granitehybrid) from GGUF
+files too."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from poot_family_hybrid.gguf import (
     vocab_and_positions,
 )
 from poot_family_hybrid.model import trace_lfm2, trace_mamba2, trace_mamba_hybrid
+from poot_family_hybrid.qwen3next import qwen3next_derived_weights, qwen3next_params, trace_qwen3next
 
 TensorNames = Callable[[str], str | None]
 Derived = Callable[[ModelConfig, GGUFTensors], dict[str, DerivedWeight]]
@@ -100,6 +102,8 @@ FAMILIES = [
                   hf_derived=granite_expert_weights),
     HybridDecoder("bamba", "bamba", ("BambaForCausalLM", "bamba"), lambda hf: mamba_hybrid_params(hf, "bamba"),
                   trace_mamba_hybrid),
+    HybridDecoder("qwen3next", "qwen3_next", ("Qwen3NextForCausalLM", "qwen3_next"), qwen3next_params,
+                  trace_qwen3next, hf_derived=qwen3next_derived_weights),
 ]
 
 

@@ -1,0 +1,191 @@
+"""Qwen3-Next (Gated DeltaNet beside gated attention, sparse MoE with a shared expert) against transformers' float32
+forward (its torch paths: flash-linear-attention is not installed) on a tiny random checkpoint, and the CPU's gated
+delta rule against its recurrence in float64."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3next
+
+from helpers import tiny
+from poot_core import (
+    CheckpointError,
+    DraftPolicy,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Layout,
+    ModelHandle,
+    Reason,
+    StepShape,
+    Unsupported,
+    open_executor,
+)
+from poot_core.graph import passes
+
+# Longer than the delta rule's chunk (64) and than the prefill chunk (80) the driver below uses, a multiple of
+# neither, so a prefill step holds a full chunk and a partial one and the state crosses steps mid-chunk.
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(150)]
+CHUNK = 80
+
+
+def driver(path: Path, chunk: int = CHUNK) -> Driver:
+    return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=256, prefill_chunk=chunk))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
+def test_logits_match_transformers(hybrid_checkpoint, dtype, bound):
+    path = hybrid_checkpoint("qwen3next", dtype)
+    ours = driver(path).logits(PROMPT)
+    ref = tiny.reference_logits(path, PROMPT)
+    assert ours.shape == tuple(ref.shape)
+    assert tiny.rel_error(ours, ref) <= bound
+
+
+def test_greedy_tokens_match_transformers(hybrid_checkpoint):
+    """transformers' generate: its chunked rule over the prompt, then its recurrent step per token."""
+    path = hybrid_checkpoint("qwen3next")
+    prompt = PROMPT[:100]
+    result = driver(path).serve().generate(GenerateRequest(prompt, max_new=12, ignore_eos=True))
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert result.tokens == out[0, len(prompt):].tolist()
+
+
+def test_decode_after_chunked_prefill_equals_one_long_prefill(hybrid_checkpoint):
+    path = hybrid_checkpoint("qwen3next")
+    d = driver(path)
+    last = d.prefill_cache(PROMPT)
+    tokens, steps = [], []
+    for _ in range(8):
+        logits = d.executor.to_numpy(last)[0, -1]
+        steps.append(logits)
+        tokens.append(int(np.argmax(logits)))
+        last = d.step(tokens[-1], len(PROMPT) + len(tokens) - 1)
+    whole = driver(path, chunk=256).logits(PROMPT + tokens)  # one prefill step
+    expected = whole[len(PROMPT) - 1 : len(PROMPT) + 7]
+    assert np.abs(np.stack(steps) - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_conversation_continues_from_the_state(hybrid_checkpoint):
+    path = hybrid_checkpoint("qwen3next")
+    d = driver(path).serve()
+    first = d.generate(GenerateRequest(PROMPT[:70], max_new=6, ignore_eos=True))
+    follow = PROMPT[:70] + first.tokens[:-1] + PROMPT[70:90]
+    second = d.generate(GenerateRequest(follow, max_new=6, ignore_eos=True))
+    assert second.timings.reused_tokens == 70 + 5
+    fresh = driver(path).serve().generate(GenerateRequest(follow, max_new=6, ignore_eos=True))
+    assert second.tokens == fresh.tokens
+
+
+def test_state_of_each_layer_and_refusals(hybrid_checkpoint):
+    path = hybrid_checkpoint("qwen3next")
+    graph = driver(path).program(StepShape(1, 1, 256)).graph
+    kinds = {name: (spec.kind, spec.shape) for name, spec in graph.state.items()}
+    # layers 0 and 2: the convolution over q, k, v (2 x 2 x 16 + 4 x 8 channels) and the delta state [Hv, Dk, Dv]
+    for layer in (0, 2):
+        assert kinds[f"conv{layer}"] == ("conv", (1, 96, 3)) and kinds[f"delta{layer}"] == ("delta", (1, 4, 16, 8))
+    assert kinds["k1"][0] == "k" and "delta1" not in kinds and graph.recurrent()
+    assert "gated_delta" in passes.HYBRID_OPS and "gated_delta" in graph.ops()
+    with pytest.raises(Unsupported, match="paged layout"):
+        driver(path).serve(Layout.PAGED)
+    options = DriverOptions(capacity=256, prefill_chunk=CHUNK, draft=DraftPolicy.PromptLookup())
+    with pytest.raises(Unsupported, match="roll back"):
+        Driver(ModelHandle.load(path), open_executor("cpu"), options).serve()
+
+
+def test_triton_and_vulkan_refuse_the_delta_rule_by_name(hybrid_checkpoint):
+    graph = driver(hybrid_checkpoint("qwen3next")).program(StepShape(1, 1, 256)).graph
+    used = sorted(graph.ops() & passes.HYBRID_OPS)
+    assert "gated_delta" in used
+    pytest.importorskip("triton")
+    from poot_kernels_triton.executor import TritonExecutor
+
+    with pytest.raises(Unsupported) as refused:
+        TritonExecutor.on_interpreter().prepare(graph, None)
+    assert refused.value.reason is Reason.OPERATION and refused.value.name in used
+    vulkan = pytest.importorskip("poot_backend_vulkan.program")
+    assert not set(used) & vulkan.VULKAN_OPS
+
+
+def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp_path):
+    """The step's in_proj_qkv and in_proj_z hold the rows transformers' fix_query_key_value_ordering picks from
+    in_proj_qkvz; a checkpoint whose in_proj_qkvz has another width than the config's is refused by name."""
+    path = hybrid_checkpoint("qwen3next")
+    store = ModelHandle.load(path).store()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mixer = model.model.layers[2].linear_attn
+    eye = torch.eye(mixer.hidden_size)[None]  # [1, D, D]: each "token" reads one column of the weights
+    with torch.no_grad():
+        q, k, v, z, _, _ = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(eye), mixer.in_proj_ba(eye))
+    flat = [x.reshape(mixer.hidden_size, -1).T for x in (q, k, v, z)]
+    pre = "model.layers.2.linear_attn."
+    assert torch.equal(store.get(pre + "in_proj_qkv.weight"), torch.cat(flat[:3]))
+    assert torch.equal(store.get(pre + "in_proj_z.weight"), flat[3])
+    wrong = tmp_path / "wrong"
+    shutil.copytree(path, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 4}))
+    with pytest.raises(CheckpointError, match="in_proj_qkvz"):
+        ModelHandle.load(wrong)
+
+
+def delta_reference(q, k, v, a, b, a_log, dt_bias, state, eps=1e-6):
+    """The gated delta rule token by token in float64, as Tracer.gated_delta writes it."""
+    q, k, v, a, b, a_log, dt_bias = (x.double() for x in (q, k, v, a, b, a_log, dt_bias))
+    spread = v.shape[2] // k.shape[2]
+    q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    S, ys = state.double().clone(), []
+    for t in range(v.shape[1]):
+        g = -torch.exp(a_log) * torch.nn.functional.softplus(a[:, t] + dt_bias)  # [R, Hv]
+        beta = torch.sigmoid(b[:, t])
+        kt, qt = k[:, t].repeat_interleave(spread, 1), q[:, t].repeat_interleave(spread, 1)  # [R, Hv, Dk]
+        S = S * torch.exp(g)[..., None, None]
+        delta = beta[..., None] * (v[:, t] - torch.einsum("rhkv,rhk->rhv", S, kt))
+        S = S + kt[..., None] * delta[..., None, :]
+        ys.append(torch.einsum("rhkv,rhk->rhv", S, qt))
+    return torch.stack(ys, dim=1), S
+
+
+def test_delta_rule_chunks_and_steps_against_the_float64_recurrence():
+    """The CPU's chunked rule (prefill) and its one-token step (decode), from a carried state, over a length no
+    chunk divides, with two value heads per key head."""
+    from poot_core.cpu.recurrent import gated_delta
+
+    g = torch.Generator().manual_seed(5)
+    R, T, Hk, Hv, Dk, Dv = 2, 23, 2, 4, 6, 5
+    q, k = torch.randn(R, T, Hk, Dk, generator=g), torch.randn(R, T, Hk, Dk, generator=g)
+    v, a, b = torch.randn(R, T, Hv, Dv, generator=g), torch.randn(R, T, Hv, generator=g), torch.randn(R, T, Hv,
+                                                                                                      generator=g)
+    a_log, dt_bias = torch.randn(Hv, generator=g) * 0.5, torch.randn(Hv, generator=g) * 0.5
+    start = torch.randn(R, Hv, Dk, Dv, generator=g)
+    expected, final = delta_reference(q, k, v, a, b, a_log, dt_bias, start)
+    state = start.clone()
+    got = [gated_delta(q[:, :17], k[:, :17], v[:, :17], a[:, :17], b[:, :17], a_log, dt_bias, state, 5, 1e-6)]
+    got += [gated_delta(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1], b[:, t:t + 1], a_log, dt_bias,
+                        state, 5, 1e-6) for t in range(17, T)]
+    out = torch.cat(got, dim=1)
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (state.double() - final).abs().max() <= 1e-5 * final.abs().max()
+
+
+def test_gated_norm_norm_first_matches_transformers():
+    from poot_core.cpu.recurrent import gated_rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    x, z = torch.randn(3, 7, 4, 8, generator=g), torch.randn(3, 7, 4, 8, generator=g)
+    norm = hf_qwen3next.Qwen3NextRMSNormGated(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(8, generator=g))
+        expected = norm(x, z)
+    got = gated_rms_norm(x, z, norm.weight.detach(), 1e-6, 8, norm_first=True)
+    assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
