@@ -363,6 +363,11 @@ class _Binder:
 
         return recurrent.bind_gated_rms_norm(node, self.args(node), self.get)
 
+    def op_group_attention(self, node: Node) -> StepFn:
+        from poot_core.cpu import group_attention
+
+        return group_attention.bind_group_attention(node, self.args(node))
+
     def op_splice(self, node: Node) -> StepFn:
         from poot_core.cpu import splice
 

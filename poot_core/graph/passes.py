@@ -69,6 +69,10 @@ OPS: dict[str, OpSpec] = {
                           "v's shape [R, T, Hv, Dv]; the gated delta rule (Qwen3-Next), see Tracer.gated_delta"),
     # vision-language families: image features [N, D] replace the rows of x [R, T, D] at flat indices index [N]
     "splice": OpSpec(("x", "features", "index"), (), "x's shape; x.reshape(-1, D)[index] = features"),
+    # attention's causal mask, where the step's new tokens of one group (groups [R, T], -1: none; an image's
+    # tokens in Gemma 3) also see each other both ways (still within the window); contiguous KV only
+    "group_attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache", "groups"),
+                              ("layer", "scale", "window", "softcap"), "[R, T, Hq, Dh]; see Tracer.attention"),
     "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group", "norm_first"),
                              "x's shape: rms_norm per group of x * silu(gate); norm_first: rms_norm(x) * silu(gate)"),
 }
@@ -76,7 +80,7 @@ OPS: dict[str, OpSpec] = {
 # The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
 HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_delta", "gated_rms_norm"})
 # The ops only vision-language families use, computed so far by the CPU executor alone.
-VISION_OPS = frozenset({"splice"})
+VISION_OPS = frozenset({"splice", "group_attention"})
 
 HANDLER = "op_"  # a backend's handler of op X is its method op_X
 

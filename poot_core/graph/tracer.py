@@ -82,17 +82,27 @@ class Tracer:
                        scaling=dict(scaling or {}))
 
     def attention(self, q: Value, k: Value, v: Value, positions: Value, *, layer: int, scale: float,
-                  window: int | None = None, softcap: float | None = None, capacity: int | None = None) -> Value:
+                  window: int | None = None, softcap: float | None = None, capacity: int | None = None,
+                  groups: Value | None = None) -> Value:
         """Causal attention through the layer's KV state: k, v [R, T, Hkv, Dh] of the new tokens are
         written at `positions`, then every query attends to the positions up to its own
-        (and within `window` of it, when set). The state holds `capacity` positions, the step's by default."""
+        (and within `window` of it, when set). The state holds `capacity` positions, the step's by default.
+        With `groups` [R, T] (a group id per new token, -1 for none) a query also sees the step's later tokens
+        of its own group (an image's tokens attend to each other both ways): the `group_attention` op, for
+        contiguous KV, a group lying whole in one step."""
         capacity = self.graph.shape.capacity if capacity is None else capacity
+        if groups is not None and self.graph.shape.paging is not None:
+            raise Unsupported(Reason.SHAPE, "group_attention in a paged step",
+                              "bidirectional groups of tokens need the contiguous KV layout")
         rows, _, kv_heads, head_dim = k.shape
         # paged: the state is the layer's pool of blocks, one row per block
         slots, positions_kept = self._kv_rows(rows, capacity)
         kc = self.state(f"k{layer}", (slots, kv_heads, positions_kept, head_dim), "k")
         vc = self.state(f"v{layer}", (slots, kv_heads, positions_kept, v.shape[-1]), "v")
         shape = (*q.shape[:3], v.shape[-1])
+        if groups is not None:
+            return self.op("group_attention", (q, k, v, positions, kc, vc, groups), shape, layer=layer,
+                           scale=scale, window=window, softcap=softcap)
         return self.op("attention", (q, k, v, positions, kc, vc, *self._paged_inputs()), shape, layer=layer,
                        scale=scale, window=window, softcap=softcap)
 
