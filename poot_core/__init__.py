@@ -49,7 +49,7 @@ from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig, St
 from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_tensor
 from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
 from poot_core.moe import Expert, by_expert, choose_experts, expert_view, experts_of
-from poot_core.plugins import hookimpl
+from poot_core.plugins import hookimpl, lazy_executor, quiet_probe
 from poot_core.registry import Registry
 from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from_gguf, rope_from_hf_config
 
@@ -70,4 +70,5 @@ __all__ = [
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
     "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
+    "lazy_executor", "quiet_probe",
 ]

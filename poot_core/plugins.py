@@ -10,6 +10,8 @@ distribution names) then lists the only plugins to load.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,30 @@ class PootHooks:
     @hookspec
     def poot_register_backends(self) -> list[Any]:  # type: ignore[empty-body]
         """Return BackendSpec objects (see poot_core.executor.BackendSpec)."""
+
+
+def lazy_executor(module: str, name: str) -> Callable[[], Any]:
+    """A BackendSpec's `open` that imports `module` and builds its executor class `name` only when the backend
+    is opened, so that discovering a backend plugin imports none of its kernels."""
+
+    def open_executor() -> Any:
+        return getattr(importlib.import_module(module), name)()
+
+    return open_executor
+
+
+def quiet_probe(check: Callable[[], Any]) -> Callable[[], bool]:
+    """`check` made a BackendSpec probe: its answer as a bool, and False when it raises (a missing package, a
+    broken install or a failing driver all mean the device is absent; a probe never raises)."""
+
+    @functools.wraps(check)
+    def probe() -> bool:
+        try:
+            return bool(check())
+        except Exception:
+            return False
+
+    return probe
 
 
 @dataclass

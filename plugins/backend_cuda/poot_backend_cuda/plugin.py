@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from poot_core import BackendSpec, hookimpl
+from poot_core import BackendSpec, hookimpl, lazy_executor, quiet_probe
 
 
+@quiet_probe
 def probe() -> bool:
-    """True when torch sees a CUDA device and is not a ROCm build. Never raises."""
-    try:
-        import torch
+    """True when torch sees a CUDA device and is not a ROCm build. Never raises (a broken torch is absence)."""
+    import torch
 
-        return torch.version.hip is None and torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # a broken torch install is absence, not an error of the probe
-        return False
-
-
-def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
-    from poot_backend_cuda.executor import CudaExecutor
-
-    return CudaExecutor()
+    return torch.version.hip is None and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 @hookimpl
@@ -26,7 +18,7 @@ def poot_register_backends() -> list[BackendSpec]:
     return [
         BackendSpec(
             "cuda",
-            _open,
+            lazy_executor("poot_backend_cuda.executor", "CudaExecutor"),
             probe=probe,
             priority=40,
             aliases=("ptx",),

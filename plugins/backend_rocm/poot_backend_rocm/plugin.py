@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from poot_core import BackendSpec, hookimpl
+from poot_core import BackendSpec, hookimpl, lazy_executor, quiet_probe
 
 
+@quiet_probe
 def probe() -> bool:
-    """True when torch is a ROCm build and sees an AMD device. Never raises."""
-    try:
-        import torch
+    """True when torch is a ROCm build and sees an AMD device. Never raises (a broken torch is absence)."""
+    import torch
 
-        return bool(torch.version.hip) and torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # a broken torch install is absence, not an error of the probe
-        return False
-
-
-def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
-    from poot_backend_rocm.executor import RocmExecutor
-
-    return RocmExecutor()
+    return bool(torch.version.hip) and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 @hookimpl
@@ -26,7 +18,7 @@ def poot_register_backends() -> list[BackendSpec]:
     return [
         BackendSpec(
             "rocm",
-            _open,
+            lazy_executor("poot_backend_rocm.executor", "RocmExecutor"),
             probe=probe,
             priority=30,
             aliases=("hip",),

@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
-from poot_core import BackendSpec, hookimpl
+from poot_core import BackendSpec, hookimpl, lazy_executor, quiet_probe
 
 
+@quiet_probe
 def probe() -> bool:
-    """True when wgpu is installed and finds a Vulkan adapter; never raises."""
-    try:
-        from poot_backend_vulkan.kernels.runtime import vulkan_adapters
+    """True when wgpu is installed and finds a Vulkan adapter; never raises (absence of the package, the loader
+    or a driver all mean "no device")."""
+    from poot_backend_vulkan.kernels.runtime import vulkan_adapters
 
-        return bool(vulkan_adapters())
-    except Exception:  # absence of the package, the loader or a driver all mean "no device"
-        return False
+    return bool(vulkan_adapters())
 
 
+@quiet_probe
 def hardware_probe() -> bool:
     """True only for a Vulkan adapter that is real hardware: automatic selection must not prefer a software
     rasterizer such as lavapipe over the CPU executor (name the backend to use one anyway)."""
-    try:
-        from poot_backend_vulkan.kernels.runtime import vulkan_adapters
+    from poot_backend_vulkan.kernels.runtime import vulkan_adapters
 
-        return any(a.info.get("adapter_type") != "CPU" for a in vulkan_adapters())
-    except Exception:
-        return False
-
-
-def _open():  # noqa: ANN202 - imported lazily so discovery stays cheap
-    from poot_backend_vulkan.executor import VulkanExecutor
-
-    return VulkanExecutor()
+    return any(a.info.get("adapter_type") != "CPU" for a in vulkan_adapters())
 
 
 @hookimpl
@@ -37,7 +28,7 @@ def poot_register_backends() -> list[BackendSpec]:
     return [
         BackendSpec(
             "vulkan",
-            _open,
+            lazy_executor("poot_backend_vulkan.executor", "VulkanExecutor"),
             probe=probe,
             auto_probe=hardware_probe,
             priority=20,
