@@ -62,7 +62,7 @@ class DriverOptions:
     capacity: int = 2048  # KV positions: prompt plus new tokens
     prefill_chunk: int = 128  # new tokens per prefill step
     max_programs: int = 16  # prepared step programs kept at once
-    draft: Draft = DraftPolicy.OFF  # speculative decoding: DraftPolicy.PromptLookup(...), .DraftModel(...)
+    draft: Draft = DraftPolicy.OFF  # speculative decoding: DraftPolicy.PromptLookup(...), .DraftModel(...), .Mtp(k)
     # Serving (Layout.PAGED, see engine.py): the KV pool, in blocks of block_size positions: kv_blocks of them,
     # or as many as kv_fraction of the device's free memory holds (never more than max_running full windows)
     block_size: int = 16
@@ -153,7 +153,12 @@ class Driver:
         self._cached: list[int] = []  # tokens whose K/V row 0 holds, in order
         self._encode_prepared: dict[StepShape, tuple[Program, Graph, State]] = {}  # own states: see prepare_encode
         self.layout: Layout | None = None
+        # MTP speculation reads the final hidden state of every position the target runs: then every step
+        # carries it (StepShape.carry_hidden) to the proposer's `record`.
+        self._hidden_sink: Callable[[int, np.ndarray], None] | None = None
         self._speculation: Speculation | None = make_speculation(self.options.draft, self)
+        if self._speculation is not None:
+            self._hidden_sink = getattr(self._speculation.proposer, "record", None)
 
     # --- programs -------------------------------------------------------------------------------------
     def _trace(self, shape: StepShape) -> Graph:
@@ -211,17 +216,23 @@ class Driver:
                               "its recurrent state cannot roll back rejected tokens; use DraftPolicy.OFF")
         self.layout = Layout.CONTIGUOUS
         # Prepare the decode step now, so an op the executor cannot run is refused before any work.
-        self.program(StepShape(1, 1, self.options.capacity))
+        self.program(self._step_shape(1, False))
         return self
 
+    def _step_shape(self, tokens: int, all_logits: bool) -> StepShape:
+        return StepShape(1, tokens, self.options.capacity, all_logits=all_logits,
+                         carry_hidden=self._hidden_sink is not None)
+
     def _run(self, tokens: list[int], start: int, all_logits: bool) -> Output:
-        shape = StepShape(1, len(tokens), self.options.capacity, all_logits=all_logits)
-        prog = self.program(shape)
+        prog = self.program(self._step_shape(len(tokens), all_logits))
         if start == 0 and self._state_graph[1].recurrent():  # a new sequence: its recurrent state starts at zeros
             self._state[1] = self.executor.allocate_state(self._state_graph[1])
         inputs = {"tokens": np.asarray([tokens], dtype=np.int64),
                   "positions": np.arange(start, start + len(tokens), dtype=np.int64)[None, :]}
-        return prog.run(self._state[1], inputs)[0]
+        outputs = prog.run(self._state[1], inputs)
+        if self._hidden_sink is not None:
+            self._hidden_sink(start, self.executor.to_numpy(outputs[1])[0])
+        return outputs[0]
 
     def _prefill(self, tokens: list[int], start: int, all_logits: bool = False) -> list[Output]:
         """Prefill `tokens` at positions from `start` in chunks; returns each chunk's output."""
@@ -271,6 +282,8 @@ class Driver:
         sampler = request.sampler
         text = self.handle.text()
         t0 = time.perf_counter()
+        if self._hidden_sink is not None:
+            self._cached = []  # the MTP layer reads the hidden state of every prompt position: run them all
         last, timings.reused_tokens = self._extend(prompt)
         timings.prefill_tokens = len(prompt) - timings.reused_tokens
         spec = self._speculation

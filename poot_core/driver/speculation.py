@@ -20,11 +20,12 @@ import numpy as np
 
 from poot_core.driver.sampling import Sampler
 from poot_core.errors import Reason, RequestError, Unsupported
+from poot_core.graph import StepShape, Tracer
 
 if TYPE_CHECKING:
     from poot_core.checkpoint.handle import ModelHandle
     from poot_core.driver.core import Driver
-    from poot_core.executor import Executor
+    from poot_core.executor import Executor, Program, State
 
 Distribution: TypeAlias = tuple[np.ndarray, np.ndarray]  # (ids, probabilities), as Sampler.distribution
 
@@ -114,15 +115,29 @@ def check_draft(draft: Draft, target: ModelHandle) -> None:
     if isinstance(draft, DraftModel):
         check_same_vocabulary(target, draft.handle)
     elif isinstance(draft, Mtp):
-        config = target.config()
-        if not int(getattr(config.params, "mtp_layers", 0) or 0):
-            raise Unsupported(Reason.SHAPE, f"MTP speculation on {config.architecture}",
-                              "the checkpoint has no multi-token-prediction (nextn) layers; use prompt lookup "
-                              "or a draft model")
-        raise Unsupported(Reason.SHAPE, f"MTP speculation on {config.architecture}",
-                          "proposals from the nextn layers are not built yet; use prompt lookup or a draft model")
+        check_mtp(target)
     elif not isinstance(draft, Off | PromptLookup):
         raise RequestError(f"DriverOptions.draft must be a DraftPolicy, got {draft!r}")
+
+
+def check_mtp(target: ModelHandle) -> None:
+    """The checkpoint must have multi-token-prediction layers its family traces as a step (StepShape.mtp),
+    with every weight that step reads: checked on the config and the stored shapes (no tensor is read)."""
+    config = target.config()
+    what = f"MTP speculation on {config.architecture}"
+    if not int(getattr(config.params, "mtp_layers", 0) or 0):
+        raise Unsupported(Reason.SHAPE, what, "the checkpoint has no multi-token-prediction (nextn) layers; use "
+                          "prompt lookup or a draft model")
+    shape = StepShape(1, 1, 1, mtp=True)
+    tracer = Tracer(shape, target.store().shapes())
+    try:
+        target.family.trace(config, tracer, shape)
+    except KeyError as exc:
+        raise Unsupported(Reason.SHAPE, what, f"the checkpoint lacks the nextn layer's weight {exc.args[0]}; use "
+                          "prompt lookup or a draft model") from exc
+    if "hidden" not in tracer.graph.inputs or len(tracer.graph.outputs) != 2:
+        raise Unsupported(Reason.SHAPE, what, f"the {target.family.name} family does not trace its nextn layers "
+                          "as a draft step; use prompt lookup or a draft model")
 
 
 def check_same_vocabulary(target: ModelHandle, draft: ModelHandle) -> None:
@@ -224,12 +239,81 @@ class DraftModelProposer:
         return Proposal(tokens, q)
 
 
+class MtpProposer:
+    """The target's own multi-token-prediction layer proposes: at position i it reads the token at i + 1 and
+    the target's final hidden state at i, and predicts the token at i + 2; each further draft token reads the
+    one before it and the layer's own output hidden state.
+
+    The layer has its own KV cache, filled in order: before a proposal it catches up over every position the
+    target ran since the last one (the target's steps carry their hidden states here through `record`), so its
+    cache always holds the accepted history. Draft tokens past the first write positions the next catch-up
+    writes over: a rejection costs no copy."""
+
+    def __init__(self, policy: Mtp, target: Driver) -> None:
+        self.target = target
+        self._programs: dict[int, Program] = {}
+        self._state: State | None = None
+        self._valid = 0  # positions i whose entry (token i + 1, hidden i) the layer's cache holds
+        self._hidden: dict[int, np.ndarray] = {}  # the target's final hidden state by position, not read yet
+        self._program(1)  # an op the executor cannot run is refused now, before any work
+
+    def _program(self, tokens: int) -> Program:
+        prog = self._programs.get(tokens)
+        if prog is None:
+            t = self.target
+            graph = t._trace(StepShape(1, tokens, t.options.capacity, mtp=True))
+            prog = t.executor.prepare(graph, t.weights)
+            if self._state is None:
+                self._state = t.executor.allocate_state(graph)
+            if len(self._programs) >= t.options.max_programs:
+                self._programs.pop(next(iter(self._programs)))
+            self._programs[tokens] = prog
+        return prog
+
+    def record(self, start: int, hidden: np.ndarray) -> None:
+        """The target ran positions start.. and these are their final hidden states [T, D]."""
+        for j, row in enumerate(hidden):
+            self._hidden[start + j] = row
+
+    def begin(self, prompt: list[int]) -> None:
+        self._valid = 0  # the target ran the whole prompt (it reuses no cached prefix under MTP)
+        self._hidden = {i: h for i, h in self._hidden.items() if i < len(prompt)}
+
+    def _run(self, tokens: list[int], start: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Run the layer over `tokens` at positions from `start`; the last position's logits and hidden."""
+        ex = self.target.executor
+        inputs = {"tokens": np.asarray([tokens], dtype=np.int64),
+                  "positions": np.arange(start, start + len(tokens), dtype=np.int64)[None, :],
+                  "hidden": np.ascontiguousarray(hidden[None], dtype=np.float32)}
+        logits, out = self._program(len(tokens)).run(self._state, inputs)
+        return ex.to_numpy(logits)[0, -1], ex.to_numpy(out)[0, -1]
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+        n = len(history) - 1  # the last token's position: the target has not run it yet
+        chunk = self.target.options.prefill_chunk
+        logits = hidden = None
+        for start in range(self._valid, n, chunk):  # catch up over positions valid .. n - 1
+            stop = min(start + chunk, n)
+            rows = np.stack([self._hidden.pop(i) for i in range(start, stop)])
+            logits, hidden = self._run(history[start + 1 : stop + 1], start, rows)
+        self._valid = n
+        if logits is None:  # nothing new since the last proposal (cannot happen in the decode loop)
+            return Proposal([])
+        tokens = [int(np.argmax(logits))]
+        while len(tokens) < k:
+            logits, hidden = self._run(tokens[-1:], n + len(tokens) - 1, hidden[None])
+            tokens.append(int(np.argmax(logits)))
+        return Proposal(tokens)
+
+
 def make_speculation(draft: Draft, target: Driver) -> Speculation | None:
     """The per-driver speculation state for a policy; None for OFF."""
     if isinstance(draft, PromptLookup):
         return Speculation(LookupProposer(draft), draft.k, draft.min_k)
     if isinstance(draft, DraftModel):
         return Speculation(DraftModelProposer(draft, target), draft.k, draft.min_k)
+    if isinstance(draft, Mtp):
+        return Speculation(MtpProposer(draft, target), draft.k, draft.min_k)
     return None
 
 

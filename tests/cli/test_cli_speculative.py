@@ -65,7 +65,17 @@ def test_bad_combinations_are_refused_before_tensors_are_read(model, tmp_path, c
     assert "no such draft" in _refused(capsys, "-m", model, "-md", str(tmp_path / "absent.gguf"))
 
 
-def test_mtp_on_a_checkpoint_with_nextn_layers(tmp_path, capsys, no_tensor_reads):
-    path = moe.build(tmp_path / "v3", "deepseek_v3", torch.float32)  # one nextn layer
+def test_mtp_on_a_checkpoint_with_part_of_a_nextn_layer(tmp_path, capsys, no_tensor_reads):
+    path = moe.build(tmp_path / "v3", "deepseek_v3", torch.float32)  # nextn norms and eh_proj, no decoder layer
     capsys.readouterr()  # the builder's own progress output
-    assert "not built yet" in _refused(capsys, "-m", str(path), "--mtp", "1")
+    assert "lacks the nextn layer's weight" in _refused(capsys, "-m", str(path), "--mtp", "1")
+
+
+def test_mtp_reply_is_the_plain_reply(tmp_path, capsys):
+    path = moe.build(tmp_path / "v3", "deepseek_v3", torch.float32)
+    moe.add_nextn_layer(path, tmp_path / "donor")  # a whole nextn layer
+    capsys.readouterr()
+    plain = _reply(capsys, "-m", str(path))
+    spec = _reply(capsys, "-m", str(path), "--mtp", "2")
+    assert (spec["tokens"], spec["text"]) == (plain["tokens"], plain["text"])
+    assert spec["timings"]["proposed"] > 0

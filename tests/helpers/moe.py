@@ -112,6 +112,35 @@ def _add_mtp_layer(path: Path, config: Any) -> list[str]:
     return list(extra)
 
 
+def add_nextn_layer(path: Path, donor_dir: Path) -> Any:
+    """Give the tiny V3 checkpoint at `path` a whole nextn layer, model.layers.<layers>.*: the decoder layer of
+    a random model one layer deeper (saved by transformers, so its names are the checkpoint's), random norms
+    and a head of its own. Returns that deeper model, whose last layer is the reference's decoder layer."""
+    from safetensors.torch import load_file, save_file
+
+    config = moe_config("deepseek_v3")
+    layers, d = config.num_hidden_layers, config.hidden_size
+    deeper = moe_config("deepseek_v3")
+    deeper.num_hidden_layers = layers + 1
+    torch.manual_seed(5)
+    donor = tf.AutoModelForCausalLM.from_config(deeper)
+    tiny._randomize(donor, 5)
+    donor.save_pretrained(donor_dir)
+    pre = f"model.layers.{layers}."
+    extra = {k: v for k, v in load_file(donor_dir / "model.safetensors").items() if k.startswith(pre)}
+    g = torch.Generator().manual_seed(7)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"{pre}{name}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    extra[f"{pre}eh_proj.weight"] = torch.randn(d, 2 * d, generator=g) * (0.5 / (2 * d) ** 0.5)
+    extra[f"{pre}shared_head.head.weight"] = torch.randn(config.vocab_size, d, generator=g) * (0.5 / d**0.5)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    tensors.update(extra)
+    save_file(tensors, file, metadata={"format": "pt"})
+    donor.eval()
+    return donor
+
+
 def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
     config = moe_config(arch)
     torch.manual_seed(seed)

@@ -15,6 +15,7 @@ from poot_core import (
     GGUFTensors,
     ModelConfig,
     StepShape,
+    StoredWeights,
     Tracer,
     eos_ids,
     hookimpl,
@@ -24,7 +25,7 @@ from poot_core import (
 )
 from poot_family_moe.config import MoeParams, params_from_hf
 from poot_family_moe.gguf import gguf_hf_config, joined_kv_b
-from poot_family_moe.model import trace_moe
+from poot_family_moe.model import mtp_eh_halves, trace_moe
 
 # llama.cpp's per-block names beyond the shared ones ("{moe}" is the experts' prefix: "mlp" or mixtral's
 # "block_sparse_moe"; "{shared}" the shared expert's: qwen2_moe "shared_expert", deepseek "shared_experts").
@@ -105,6 +106,9 @@ class MoeDecoder(Family):
             name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
             derived[name] = joined_kv_b(tensors, k_b, v_b, p.heads, p.latent)
         return derived
+
+    def hf_derived_weights(self, config: ModelConfig, store: StoredWeights) -> dict[str, DerivedWeight]:
+        return mtp_eh_halves(config, store)
 
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
         trace_moe(config, t)
