@@ -1,1 +1,1 @@
-"""poot-family-vision: vision-language families for poot (Idefics3 / SmolVLM so far)."""
+"""poot-family-vision: vision-language families for poot (Idefics3 / SmolVLM, Gemma 3)."""

@@ -1,5 +1,6 @@
-"""Idefics3 / SmolVLM configuration: the SigLIP tower's and the connector's parameters beside the llama text
-model's, read from a Hugging Face config.json (text_config and vision_config nested)."""
+"""Vision-language configuration: the SigLIP tower's and the connector's parameters beside the text model's,
+read from a Hugging Face config.json (text_config and vision_config nested). Idefics3 / SmolVLM here (a llama
+text model); Gemma 3 in poot_family_vision.gemma3."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class VisionParams:
     act: str
     image_size: int
     patch: int
-    scale_factor: int  # pixel shuffle: scale_factor**2 neighbouring patches become one token
+    # scale_factor**2 neighbouring patches become one token: Idefics3's pixel shuffle, Gemma 3's average pooling
+    scale_factor: int
 
     @property
     def patches(self) -> int:
@@ -45,20 +47,25 @@ class VisionLanguageParams:
     text: DecoderParams
     vision: VisionParams
     image_token_id: int
+    kind: str = "idefics3"  # "gemma3": average pooling, soft-embedding norm, bidirectional attention in an image
+    # where a checkpoint may keep the text model's `model.` weights (the first that holds them is read)
+    text_prefixes: tuple[str, ...] = ("model.text_model.",)
+    boi_token_id: int | None = None  # Gemma 3's start and end of an image
+    eoi_token_id: int | None = None
 
 
-def vision_params(vc: dict[str, Any], scale_factor: int) -> VisionParams:
+def vision_params(vc: dict[str, Any], scale_factor: int, family: str = "Idefics3") -> VisionParams:
     hidden = int(require_key(vc, "hidden_size", "vision_config"))
     heads = int(require_key(vc, "num_attention_heads", "vision_config"))
     act = vc.get("hidden_act", "gelu_pytorch_tanh")
     if act not in HF_ACTIVATIONS:
-        raise Unsupported(Reason.OPERATION, f"vision activation {act}", "Idefics3 config")
+        raise Unsupported(Reason.OPERATION, f"vision activation {act}", f"{family} config")
     image_size = int(require_key(vc, "image_size", "vision_config"))
     patch = int(require_key(vc, "patch_size", "vision_config"))
     side = image_size // patch
     if image_size % patch or side % scale_factor:
         raise Unsupported(Reason.SHAPE, f"image size {image_size} with patch {patch} and scale factor {scale_factor}",
-                          "the pixel shuffle needs whole patches and a side divisible by the scale factor")
+                          "the tower needs whole patches, and a side of them divisible by the scale factor")
     layers = int(require_key(vc, "num_hidden_layers", "vision_config"))
     intermediate = int(require_key(vc, "intermediate_size", "vision_config"))
     return VisionParams(layers=layers, hidden=hidden, heads=heads, head_dim=hidden // heads, intermediate=intermediate,
@@ -75,9 +82,14 @@ def model_config(family: str, hf: dict[str, Any]) -> ModelConfig:
     scale = int(hf.get("scale_factor", 2))
     params = VisionLanguageParams(text=text, vision=vision_params(vc, scale),
                                   image_token_id=int(require_key(hf, "image_token_id", "config.json")))
+    return language_config(family, hf, tc, params)
+
+
+def language_config(family: str, hf: dict[str, Any], tc: dict[str, Any], params: VisionLanguageParams) -> ModelConfig:
+    """The ModelConfig of a vision-language checkpoint whose text model's config is `tc`."""
     arch = (hf.get("architectures") or [hf.get("model_type", family)])[0]
     eos = eos_ids(tc.get("eos_token_id", hf.get("eos_token_id")))
     vocab = int(require_key(tc, "vocab_size", "text_config"))
     return ModelConfig(family=family, architecture=str(arch), vocab_size=vocab,
-                       max_positions=int(tc.get("max_position_embeddings", 2048)), hidden_size=text.hidden,
+                       max_positions=int(tc.get("max_position_embeddings", 2048)), hidden_size=params.text.hidden,
                        eos_ids=eos, bos_id=tc.get("bos_token_id"), params=params, source_format="hf", raw=hf)

@@ -1,9 +1,11 @@
-"""Images in OpenAI-style chat messages, as Idefics3's processor prompts them.
+"""Images in OpenAI-style chat messages, as the models' processors prompt them.
 
 Content parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:..." or a
 path}} (or "image_url": "..."), {"type": "image", "image": path | data URL | PIL image}. Image parts become
-{"type": "image"} for the chat template, which writes `<image>` for each; every `<image>` the template wrote is
-then expanded as the processor does: an image not split is
+{"type": "image"} for the chat template, which writes a placeholder for each (`<image>` in Idefics3's,
+`<start_of_image>` in Gemma 3's); every placeholder the template wrote is then expanded as the processor
+does. Gemma 3: "\n\n<start_of_image>" + `<image_soft_token>` x tokens per image + "<end_of_image>\n\n".
+Idefics3: an image not split is
 `<fake_token_around_image><global-img>` + `<image>` x tokens per image + `<fake_token_around_image>`; a split
 one has each tile as `<fake_token_around_image><row_R_col_C>` + image tokens, a line break after each row of
 tiles, then a line break and the global image as above.
@@ -70,14 +72,16 @@ def image_text(grid: tuple[int, int], tokens_per_image: int) -> str:
     return tiles + "\n" + whole
 
 
-def expand_images(rendered: Any, grids: list[tuple[int, int]], tokens_per_image: int) -> Any:
-    """The rendered chat with each `<image>` the template wrote expanded, in order; one per image."""
-    written = sum(piece.count(IMAGE) for piece, from_message in rendered.segments if not from_message)
-    if written != len(grids):
-        raise RequestError(f"the chat template wrote {written} image placeholders for {len(grids)} images "
+def expand_images(rendered: Any, placeholder: str, texts: list[str]) -> Any:
+    """The rendered chat with each `placeholder` the template wrote replaced by the next of `texts`, one per
+    image; placeholders spelled inside messages stay as they are."""
+    written = sum(piece.count(placeholder) for piece, from_message in rendered.segments if not from_message)
+    if written != len(texts):
+        raise RequestError(f"the chat template wrote {written} image placeholders for {len(texts)} images "
                            "(does this model's template take image parts?)")
-    texts = iter(image_text(g, tokens_per_image) for g in grids)
-    segments = tuple((piece if from_message else "".join(p + (next(texts) if i < piece.count(IMAGE) else "")
-                                                          for i, p in enumerate(piece.split(IMAGE))), from_message)
+    it = iter(texts)
+    segments = tuple((piece if from_message else "".join(p + (next(it) if i < piece.count(placeholder) else "")
+                                                          for i, p in enumerate(piece.split(placeholder))),
+                      from_message)
                      for piece, from_message in rendered.segments)
     return replace(rendered, text="".join(p for p, _ in segments), segments=segments)

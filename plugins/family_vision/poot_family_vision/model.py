@@ -1,4 +1,4 @@
-"""Idefics3 / SmolVLM over the tracer's ops.
+"""Idefics3 / SmolVLM over the tracer's ops, and the SigLIP tower Gemma 3 shares.
 
 The vision step (SigLIP): patches flattened on the host [N, P, 3*p*p] -> linear (the patch convolution's
 weight seen as a matrix) + position embeddings -> pre-norm encoder blocks (bidirectional attention, gelu MLP)
@@ -6,8 +6,9 @@ weight seen as a matrix) + position embeddings -> pre-norm encoder blocks (bidir
 and one projection into the text model's width. Outputs: the tower's hidden state [N, P, Dv] and the image
 features [N, P / s^2, Dt].
 
-The text step is poot_core's dense decoder (trace_dense_decoder) read under `model.text_model.`; when the step carries
-images, their features replace the embeddings of the image tokens (the splice op).
+The text step is poot_core's dense decoder (trace_dense_decoder) read under the checkpoint's text prefix; when
+the step carries images, their features replace the embeddings of the image tokens (the splice op), and with
+`groups` an image's tokens attend to each other both ways (Gemma 3; the group_attention op).
 """
 
 from __future__ import annotations
@@ -25,19 +26,23 @@ CONNECTOR = "model.connector.modality_projection.proj."
 
 
 class TextTracer:
-    """The family's tracer seen by the llama decoder: `model.X` weights are read as `model.text_model.X`, and
-    with `images` > 0 the token embeddings get the step inputs image_features [images, Dt] spliced in at the
-    flat rows image_index [images]."""
+    """The family's tracer seen by the dense decoder: `model.X` weights are read as `<prefix>X` (the first of
+    `prefixes` the checkpoint holds an embedding table under), and with
+    `images` > 0 the token embeddings get the step inputs image_features [images, Dt] spliced in at the flat
+    rows image_index [images]; with `groups` every attention also reads the step input groups [R, T] (the
+    image of each token, -1 for text)."""
 
-    def __init__(self, t: Tracer, images: int = 0) -> None:
+    def __init__(self, t: Tracer, images: int = 0, prefixes: tuple[str, ...] = ("model.text_model.",),
+                 groups: bool = False) -> None:
         self._t, self._images = t, images
+        self._prefix = first_prefix(t, prefixes, "embed_tokens.weight")
+        self._groups = t.input("groups", (t.graph.shape.rows, t.graph.shape.tokens)) if groups else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)
 
-    @staticmethod
-    def _name(name: str) -> str:
-        return "model.text_model." + name[len("model."):] if name.startswith("model.") else name
+    def _name(self, name: str) -> str:
+        return self._prefix + name[len("model."):] if name.startswith("model.") else name
 
     def weight(self, name: str) -> Value:
         return self._t.weight(self._name(name))
@@ -56,10 +61,20 @@ class TextTracer:
         index = self._t.input("image_index", (self._images,))
         return self._t.splice(x, features, index)
 
+    def attention(self, *args: Any, **kwargs: Any) -> Value:
+        return self._t.attention(*args, groups=self._groups, **kwargs)
 
-def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0) -> None:
+
+def first_prefix(t: Tracer, prefixes: tuple[str, ...], probe: str) -> str:
+    """The first of `prefixes` under which the checkpoint has `probe` (the last one when none has: tracing then
+    fails naming the weight it misses)."""
+    return next((p for p in prefixes if t.has_weight(p + probe)), prefixes[-1])
+
+
+def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0, groups: bool = False) -> None:
     p: VisionLanguageParams = cfg.params
-    trace_dense_decoder(replace(cfg, params=p.text), TextTracer(t, images))  # type: ignore[arg-type]
+    text = TextTracer(t, images, p.text_prefixes, groups)
+    trace_dense_decoder(replace(cfg, params=p.text), text)  # type: ignore[arg-type]
 
 
 def vision_shape(p: VisionParams, images: int) -> StepShape:
@@ -68,23 +83,31 @@ def vision_shape(p: VisionParams, images: int) -> StepShape:
 
 def trace_vision(p: VisionParams, t: Tracer, images: int) -> None:
     N, P, D = images, p.patches, p.hidden
-    pixels = t.input("patches", (N, P, 3 * p.patch * p.patch), "f32")
-    positions = t.input("patch_positions", (N, P))
-    mask = t.input("mask", (N, P))
-    emb = VISION + "embeddings."
-    conv = t.weight(emb + "patch_embedding.weight")  # [D, 3, p, p]
-    x = t.linear(pixels, t.reshape(conv, (D, conv.shape[1] * p.patch * p.patch)),
-                 t.optional_weight(emb + "patch_embedding.bias"))
-    x = t.add(x, t.embed(t.weight(emb + "position_embedding.weight"), positions))
-    for i in range(p.layers):
-        x = _block(t, p, f"{VISION}encoder.layers.{i}.", x, mask, N, P)
-    x = _norm(t, p, VISION + "post_layernorm", x)
-    t.output(x)
+    x = trace_siglip(p, t, images, VISION)
     # pixel shuffle: a gather of D-wide rows by `shuffle` [N * P], then s^2 rows side by side per token
     s2 = p.scale_factor**2
     rows = t.embed(t.reshape(x, (N * P, D)), t.input("shuffle", (N * P,)))
     joined = t.reshape(rows, (N, P // s2, D * s2))
     t.output(t.linear(joined, t.weight(CONNECTOR + "weight"), t.optional_weight(CONNECTOR + "bias")))
+
+
+def trace_siglip(p: VisionParams, t: Tracer, images: int, prefix: str) -> Value:
+    """The SigLIP tower under `prefix` over the step inputs patches [N, P, 3*p*p], patch_positions [N, P] and
+    mask [N, P]; its last hidden state [N, P, Dv] is the step's first output, and returned."""
+    N, P, D = images, p.patches, p.hidden
+    pixels = t.input("patches", (N, P, 3 * p.patch * p.patch), "f32")
+    positions = t.input("patch_positions", (N, P))
+    mask = t.input("mask", (N, P))
+    emb = prefix + "embeddings."
+    conv = t.weight(emb + "patch_embedding.weight")  # [D, 3, p, p]
+    x = t.linear(pixels, t.reshape(conv, (D, conv.shape[1] * p.patch * p.patch)),
+                 t.optional_weight(emb + "patch_embedding.bias"))
+    x = t.add(x, t.embed(t.weight(emb + "position_embedding.weight"), positions))
+    for i in range(p.layers):
+        x = _block(t, p, f"{prefix}encoder.layers.{i}.", x, mask, N, P)
+    x = _norm(t, p, prefix + "post_layernorm", x)
+    t.output(x)
+    return x
 
 
 def _norm(t: Tracer, p: VisionParams, stem: str, x: Value) -> Value:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from poot_core import Family, ModelConfig, StepShape, Tracer, hookimpl
+from poot_core import DerivedWeight, Family, ModelConfig, StepShape, StoredWeights, Tracer, hookimpl
 from poot_family_vision.config import model_config
+from poot_family_vision.gemma3 import gemma3_config, projection_weight
 from poot_family_vision.model import trace_text
 
 
@@ -20,9 +21,25 @@ class Idefics3(Family):
         trace_text(config, t)
 
 
+class Gemma3(Family):
+    """Gemma 3 with its vision tower (Gemma3ForConditionalGeneration). Traced by the driver it is the Gemma 3
+    text model alone; images go through poot_family_vision.runtime.VisionLanguageModel."""
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        return gemma3_config(self.name, hf)
+
+    def hf_derived_weights(self, config: ModelConfig, store: StoredWeights) -> dict[str, DerivedWeight]:
+        return projection_weight(config, store)
+
+    def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
+        trace_text(config, t)
+
+
 FAMILIES = [
     Idefics3("idefics3", "idefics3", ("Idefics3ForConditionalGeneration", "idefics3")),
     Idefics3("smolvlm", "smolvlm", ("SmolVLMForConditionalGeneration", "smolvlm")),
+    # model_type "gemma3" is the llama family's (Gemma 3 GGUF files name their architecture so)
+    Gemma3("gemma3-vision", "gemma3", ("Gemma3ForConditionalGeneration",)),
 ]
 
 
@@ -31,4 +48,4 @@ def poot_register_families() -> list[Family]:
     return list(FAMILIES)
 
 
-__all__ = ["FAMILIES", "Idefics3"]
+__all__ = ["FAMILIES", "Gemma3", "Idefics3"]

@@ -1,9 +1,15 @@
-"""Image input as transformers' Idefics3 image processor (the Pillow one) computes it: decode (Pillow, RGB),
+"""Image input as transformers' image processors (the Pillow ones) compute it.
+
+Idefics3 / SmolVLM: decode (Pillow, RGB),
 resize the longest edge to size.longest_edge (Lanczos, the shorter edge rounded up to an even length); then,
 with image splitting (the processor's default), resize both sides up to multiples of max_image_size and cut
 that into max_image_size tiles, row by row, followed by the whole image resized to the square (the global
 image); without splitting, or when the image fits one tile, the square alone. Each frame is rescaled by 1/255
-and normalized by mean and std."""
+and normalized by mean and std.
+
+Gemma 3: one resize to size.height x size.width (bilinear unless `resample` says otherwise), rescale, normalize.
+Pan and scan (extra crops of very wide or tall images) is off in Gemma3Processor by default and not done here:
+a preprocessor_config.json that turns it on is refused."""
 
 from __future__ import annotations
 
@@ -47,6 +53,42 @@ class ImageSettings:
                    split=bool(raw.get("do_image_splitting", True)))
 
 
+@dataclass(frozen=True)
+class SquareSettings:
+    """Gemma 3's image processor: every image resized to height x width."""
+
+    height: int
+    width: int
+    resample: int = int(Image.Resampling.BILINEAR)
+    rescale: float = 1 / 255
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, image_size: int) -> SquareSettings:
+        file = Path(path) / "preprocessor_config.json"
+        raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        if raw.get("do_pan_and_scan"):
+            raise Unsupported(Reason.OPERATION, "pan and scan", "Gemma 3's crops of wide images are not done; "
+                              "set do_pan_and_scan to false (Gemma3Processor's default)")
+        for key in ("do_resize", "do_rescale", "do_normalize"):
+            if raw.get(key) is False:
+                raise Unsupported(Reason.OPERATION, f"{key} false", "images are always resized, rescaled, normalized")
+        size = raw.get("size") or {}
+        height, width = int(size.get("height", image_size)), int(size.get("width", image_size))
+        if (height, width) != (image_size, image_size):
+            raise Unsupported(Reason.SHAPE, f"image size {height}x{width}", f"the vision tower takes {image_size}")
+        return cls(height=height, width=width, resample=int(raw.get("resample", Image.Resampling.BILINEAR)),
+                   rescale=float(raw.get("rescale_factor", 1 / 255)), mean=tuple(raw.get("image_mean", (0.5,) * 3)),
+                   std=tuple(raw.get("image_std", (0.5,) * 3)))
+
+
+def square_frame(image: Image.Image, settings: SquareSettings) -> np.ndarray:
+    """float32 [3, height, width]: Gemma 3's pixel values of one image."""
+    resized = image.resize((settings.width, settings.height), Image.Resampling(settings.resample))
+    return normalized(resized, settings)
+
+
 def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:
     """A Pillow image, a file path, a `data:image/...;base64,` URL, or encoded bytes -> an RGB image.
     Anything unreadable is a RequestError before any work."""
@@ -87,7 +129,7 @@ def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]
     return height, width
 
 
-def _normalized(image: Image.Image | np.ndarray, settings: ImageSettings) -> np.ndarray:
+def normalized(image: Image.Image | np.ndarray, settings: ImageSettings | SquareSettings) -> np.ndarray:
     # transformers rescales in float64 and rounds to float32 once, then normalizes in float32
     x = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * settings.rescale).astype(np.float32)
     mean = np.asarray(settings.mean, dtype=np.float32)[:, None, None]
@@ -121,9 +163,9 @@ def frames(image: Image.Image, settings: ImageSettings) -> tuple[list[np.ndarray
             array = np.asarray(image)
             tiles = [array[r * S : (r + 1) * S, c * S : (c + 1) * S] for r in range(rows) for c in range(cols)]
             whole = image.resize((S, S), Image.Resampling.LANCZOS)
-            return [_normalized(t, settings) for t in tiles] + [_normalized(whole, settings)], (rows, cols)
-        return [_normalized(image, settings)], (0, 0)  # one tile: already S x S
-    return [_normalized(image.resize((S, S), Image.Resampling.LANCZOS), settings)], (0, 0)
+            return [normalized(t, settings) for t in tiles] + [normalized(whole, settings)], (rows, cols)
+        return [normalized(image, settings)], (0, 0)  # one tile: already S x S
+    return [normalized(image.resize((S, S), Image.Resampling.LANCZOS), settings)], (0, 0)
 
 
 def pixel_values(image: Image.Image, settings: ImageSettings) -> np.ndarray:

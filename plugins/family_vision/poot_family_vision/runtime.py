@@ -16,9 +16,11 @@ from PIL import Image
 
 from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, open_executor
 from poot_family_vision.config import VisionLanguageParams
+from poot_family_vision.gemma3 import image_groups
+from poot_family_vision.kinds import images_of
 from poot_family_vision.messages import expand_images, split_images
-from poot_family_vision.model import shuffle_index, trace_text, trace_vision, vision_shape
-from poot_family_vision.preprocess import ImageSettings, frames, load_image, patches
+from poot_family_vision.model import trace_text, vision_shape
+from poot_family_vision.preprocess import load_image, patches
 
 
 class VisionLanguageModel:
@@ -31,7 +33,7 @@ class VisionLanguageModel:
         self.capacity = min(capacity, self.config.max_positions)
         self.weights = self.executor.upload(handle.store())
         self._shapes = handle.store().shapes()
-        self.images = ImageSettings.from_dir(handle.path, self.params.vision.image_size)
+        self.kind = images_of(handle, self.params)
 
     @classmethod
     def load(cls, path: str | Path, executor: Executor | str = "cpu", capacity: int = 512) -> VisionLanguageModel:
@@ -46,7 +48,7 @@ class VisionLanguageModel:
     def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """float32 [frames, 3, S, S] of all the images in order, as transformers' processor computes them, and
         each image's (rows, cols) of tiles."""
-        done = [frames(load_image(i), self.images) for i in images]  # type: ignore[arg-type]
+        done = [self.kind.frames(load_image(i)) for i in images]  # type: ignore[arg-type]
         return np.concatenate([np.stack(f) for f, _ in done]), [g for _, g in done]
 
     def pixel_values(self, images: Sequence[object]) -> np.ndarray:
@@ -55,10 +57,10 @@ class VisionLanguageModel:
     def encode_images(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the tower's last hidden state [N, P, Dv], the image features [N, tokens per image, Dt])."""
         vp, n = self.params.vision, int(pixels.shape[0])
-        prog, _ = self._program(vision_shape(vp, n), lambda t: trace_vision(vp, t, n))
+        prog, _ = self._program(vision_shape(vp, n), lambda t: self.kind.trace(t, n))
         inputs = {"patches": patches(pixels, vp.patch),
                   "patch_positions": np.broadcast_to(np.arange(vp.patches), (n, vp.patches)).astype(np.int64),
-                  "mask": np.ones((n, vp.patches), dtype=np.int64), "shuffle": shuffle_index(vp, n)}
+                  "mask": np.ones((n, vp.patches), dtype=np.int64)} | self.kind.inputs(n)
         hidden, features = prog.run({}, inputs)
         return self.executor.to_numpy(hidden), self.executor.to_numpy(features)
 
@@ -75,16 +77,22 @@ class VisionLanguageModel:
     def _prefill(self, tokens: list[int], features: np.ndarray | None, all_logits: bool) -> tuple[object, object]:
         if not tokens or len(tokens) > self.capacity:
             raise RequestError(f"a prompt of {len(tokens)} tokens does not fit the capacity of {self.capacity}")
-        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        image_id = self.params.image_token_id
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size and t != image_id]
         if bad:
             raise RequestError(f"token ids outside the vocabulary of {self.config.vocab_size}: {bad[:5]}")
         at, flat = self._image_rows(tokens, features)
+        groups = bool(len(at)) and self.kind.bidirectional
         shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
-        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at)))
+        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups))
         state = self.executor.allocate_state(graph)
-        inputs = {"tokens": np.asarray([tokens], np.int64), "positions": np.arange(len(tokens))[None, :]}
+        # an image token outside the vocabulary embeds as 0 before its features replace it (as transformers does)
+        ids = [0 if t == image_id and t >= self.config.vocab_size else t for t in tokens]
+        inputs = {"tokens": np.asarray([ids], np.int64), "positions": np.arange(len(tokens))[None, :]}
         if len(at):
             inputs |= {"image_features": flat, "image_index": at}
+        if groups:
+            inputs["groups"] = image_groups(tokens, image_id)
         return prog.run(state, inputs)[0], state
 
     def logits(self, tokens: list[int], images: Sequence[object] = (), pixels: np.ndarray | None = None) -> np.ndarray:
@@ -102,8 +110,8 @@ class VisionLanguageModel:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
         plain, images = split_images(messages)
         text = self.handle.text()
-        grids = [frames(i, self.images)[1] for i in images]
-        rendered = expand_images(text.render_chat_value(plain), grids, self.params.vision.tokens_per_image)
+        texts = [self.kind.text(self.kind.frames(i)[1]) for i in images]
+        rendered = expand_images(text.render_chat_value(plain), self.kind.placeholder, texts)
         return text.encode_chat(rendered), images
 
     def chat(self, messages: list[dict[str, Any]], max_new: int = 32) -> tuple[list[int], str]:
