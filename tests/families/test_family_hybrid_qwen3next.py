@@ -1,11 +1,14 @@
 """Qwen3-Next (Gated DeltaNet beside gated attention, sparse MoE with a shared expert) against transformers' float32
-forward (its torch paths: flash-linear-attention is not installed) on a tiny random checkpoint, and the CPU's gated
-delta rule against its recurrence in float64."""
+forward (its torch paths: flash-linear-attention is not installed) on tiny random checkpoints, from Hugging Face
+and from the GGUF file llama.cpp's converter writes, and the CPU's gated delta rule against its recurrence in
+float64."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import transformers as tf
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3next
 
 from helpers import tiny
+from helpers.paths import TESTDATA, fetched
 from poot_core import (
     CheckpointError,
     DraftPolicy,
@@ -34,24 +38,27 @@ from poot_core.graph import passes
 # neither, so a prefill step holds a full chunk and a partial one and the state crosses steps mid-chunk.
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(150)]
 CHUNK = 80
+CONVERTER = TESTDATA / "llama.cpp" / "convert"
 
 
 def driver(path: Path, chunk: int = CHUNK) -> Driver:
     return Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=256, prefill_chunk=chunk))
 
 
-@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
-def test_logits_match_transformers(hybrid_checkpoint, dtype, bound):
-    path = hybrid_checkpoint("qwen3next", dtype)
+@pytest.mark.parametrize("arch,dtype,bound", [("qwen3next", torch.float32, 1e-4), ("qwen3next", torch.bfloat16, 2e-2),
+                                              ("qwen3next_mix", torch.float32, 1e-4)], ids=["f32", "bf16", "mix-f32"])
+def test_logits_match_transformers(hybrid_checkpoint, arch, dtype, bound):
+    path = hybrid_checkpoint(arch, dtype)
     ours = driver(path).logits(PROMPT)
     ref = tiny.reference_logits(path, PROMPT)
     assert ours.shape == tuple(ref.shape)
     assert tiny.rel_error(ours, ref) <= bound
 
 
-def test_greedy_tokens_match_transformers(hybrid_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen3next_mix"])
+def test_greedy_tokens_match_transformers(hybrid_checkpoint, arch):
     """transformers' generate: its chunked rule over the prompt, then its recurrent step per token."""
-    path = hybrid_checkpoint("qwen3next")
+    path = hybrid_checkpoint(arch)
     prompt = PROMPT[:100]
     result = driver(path).serve().generate(GenerateRequest(prompt, max_new=12, ignore_eos=True))
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -136,6 +143,40 @@ def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp
     (wrong / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 4}))
     with pytest.raises(CheckpointError, match="in_proj_qkvz"):
         ModelHandle.load(wrong)
+
+
+@pytest.fixture(scope="module")
+def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint (without the
+    multi-token-prediction block it would otherwise look for: the checkpoint has none)."""
+    fetched(CONVERTER / "convert_hf_to_gguf.py")
+    root = tmp_path_factory.mktemp("gguf")
+    out = root / "qwen3next.gguf"
+    job = {"src": str(hybrid_checkpoint("qwen3next")), "outtype": "f32", "out": str(out), "args": ["--no-mtp"]}
+    (root / "jobs.json").write_text(json.dumps([job]))
+    run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
+                          str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out
+
+
+def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_checkpoint):
+    """The f32 file (qwen3next: attn_qkv/attn_gate, ssm_a = -exp(A_log), norms stored as 1 + w, stacked
+    experts): logits of a chunked prefill against transformers on the original checkpoint, and greedy tokens
+    against transformers' generate."""
+    handle = ModelHandle.load(converted)
+    config = handle.config()
+    assert config.source_format == "gguf" and config.architecture == "qwen3next"
+    assert config.params.layer_types == ["linear_attention", "full_attention"] * 2 and config.params.rotary_dim == 8
+    d = Driver(handle, open_executor("cpu"), DriverOptions(capacity=256, prefill_chunk=CHUNK))
+    ref = tiny.reference_logits(hybrid_checkpoint("qwen3next"), PROMPT)
+    assert tiny.rel_error(d.logits(PROMPT), ref) <= 1e-4
+    prompt = PROMPT[:100]
+    ours = d.serve().generate(GenerateRequest(prompt, max_new=8, ignore_eos=True)).tokens
+    model = tf.AutoModelForCausalLM.from_pretrained(hybrid_checkpoint("qwen3next"), dtype=torch.float32)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(prompt):].tolist()
 
 
 def delta_reference(q, k, v, a, b, a_log, dt_bias, state, eps=1e-6):

@@ -56,14 +56,19 @@ def hybrid_config(arch: str) -> Any:
                                          attention_multiplier=0.2, logits_scaling=8.0)
     if arch == "bamba":  # rope on half of each head
         return tf.BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=2, attn_layer_indices=[1])
-    if arch == "qwen3next":  # 2 key heads for 4 value heads; MoE (2 of 4 + the shared expert) but in layer 2
-        return tf.Qwen3NextConfig(**common, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                                  moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
-                                  num_experts_per_tok=2, mlp_only_layers=[2], max_position_embeddings=512,
-                                  layer_types=["linear_attention", "full_attention", "linear_attention",
-                                               "full_attention"], tie_word_embeddings=False)
+    qwen3next = dict(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                     max_position_embeddings=512, layer_types=["linear_attention", "full_attention",
+                                                               "linear_attention", "full_attention"])
+    if arch == "qwen3next":  # 2 key heads for 4 value heads; every layer's MLP sparse (2 of 4 + the shared expert)
+        return tf.Qwen3NextConfig(**common, **qwen3next, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "qwen3next_mix":  # what llama.cpp's converter leaves out: a dense MLP (layer 2), no renormalized
+        # top-k weights, tied embeddings; as many value heads as key heads
+        return tf.Qwen3NextConfig(**{**common, **qwen3next}, linear_num_key_heads=2, linear_num_value_heads=2,
+                                  num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
+                                  tie_word_embeddings=True)
     raise ValueError(arch)
 
 

@@ -1,6 +1,6 @@
 """poot-family-hybrid's entry point: LFM2, Mamba2, Granite 4.0-H (dense and with routed experts), Bamba and
-Qwen3-Next from Hugging Face checkpoints; LFM2, Mamba2 and Granite 4.0-H (llama.cpp's granitehybrid) from GGUF
-files too."""
+Qwen3-Next from Hugging Face checkpoints; LFM2, Mamba2, Granite 4.0-H (llama.cpp's granitehybrid) and Qwen3-Next
+from GGUF files too."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from poot_family_hybrid.gguf import (
 )
 from poot_family_hybrid.model import trace_lfm2, trace_mamba2, trace_mamba_hybrid
 from poot_family_hybrid.qwen3next import qwen3next_derived_weights, qwen3next_params, trace_qwen3next
+from poot_family_hybrid.qwen3next_gguf import qwen3next_gguf_derived, qwen3next_params_from_gguf, qwen3next_tensor_name
 
 TensorNames = Callable[[str], str | None]
 Derived = Callable[[ModelConfig, GGUFTensors], dict[str, DerivedWeight]]
@@ -90,6 +91,13 @@ class HybridDecoder(Family):
         self._trace(config, t)
 
 
+class Qwen3NextDecoder(HybridDecoder):
+    """Its GGUF names depend on the config: blocks after the model's own are multi-token prediction's."""
+
+    def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
+        return qwen3next_tensor_name(config, name)
+
+
 FAMILIES = [
     HybridDecoder("lfm2", "lfm2", ("Lfm2ForCausalLM", "lfm2"), lfm2_params, trace_lfm2, lfm2_params_from_gguf,
                   LFM2_NAMES),
@@ -102,8 +110,9 @@ FAMILIES = [
                   hf_derived=granite_expert_weights),
     HybridDecoder("bamba", "bamba", ("BambaForCausalLM", "bamba"), lambda hf: mamba_hybrid_params(hf, "bamba"),
                   trace_mamba_hybrid),
-    HybridDecoder("qwen3next", "qwen3_next", ("Qwen3NextForCausalLM", "qwen3_next"), qwen3next_params,
-                  trace_qwen3next, hf_derived=qwen3next_derived_weights),
+    Qwen3NextDecoder("qwen3next", "qwen3_next", ("Qwen3NextForCausalLM", "qwen3_next", "qwen3next"),
+                     qwen3next_params, trace_qwen3next, qwen3next_params_from_gguf,
+                     gguf_derived=qwen3next_gguf_derived, hf_derived=qwen3next_derived_weights),
 ]
 
 
@@ -112,4 +121,4 @@ def poot_register_families() -> list[Family]:
     return list(FAMILIES)
 
 
-__all__ = ["FAMILIES", "HybridDecoder"]
+__all__ = ["FAMILIES", "HybridDecoder", "Qwen3NextDecoder"]

@@ -5,7 +5,8 @@ Gated DeltaNet: in_proj_qkvz gives q, k [Hk, Dk], v and the gate z [Hv, Dv]; in_
 decay's inputs [Hv]; a causal convolution (silu) over q, k and v together, the gated delta rule, the norm of
 each head's output times silu(z), out_proj. Gated attention: q_proj gives each head's query and an output gate
 side by side; q/k norms, rope over the first quarter of each head, attention, output times sigmoid(gate).
-Every RMSNorm but the DeltaNet's gated one scales by (1 + w).
+Every RMSNorm but the DeltaNet's gated one scales by (1 + w). Weights are read by their Hugging Face names; the
+step reads in_proj_qkvz as the two tensors llama.cpp's converter also writes (in_proj_qkv, in_proj_z).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Qwen3NextParams:
     experts: int
     top_k: int
     norm_topk: bool
+    norm_offset: float = 1.0  # the (1 + w) norms; llama.cpp's converter stores 1 + w itself (offset 0)
 
     @property
     def key_dim(self) -> int:
@@ -174,8 +176,8 @@ def gated_attention(t: Tracer, p: Qwen3NextParams, prefix: str, layer: int, h: V
     q, gate = t.slice(qg, 0, Dh), t.reshape(t.slice(qg, Dh, 2 * Dh), (R, T, H * Dh))
     k = t.reshape(projection(t, h, prefix + "k_proj"), (R, T, p.kv_heads, Dh))
     v = t.reshape(projection(t, h, prefix + "v_proj"), (R, T, p.kv_heads, Dh))
-    q = t.rms_norm(q, t.weight(prefix + "q_norm.weight"), p.norm_eps, 1.0)
-    k = t.rms_norm(k, t.weight(prefix + "k_norm.weight"), p.norm_eps, 1.0)
+    q = t.rms_norm(q, t.weight(prefix + "q_norm.weight"), p.norm_eps, p.norm_offset)
+    k = t.rms_norm(k, t.weight(prefix + "k_norm.weight"), p.norm_eps, p.norm_offset)
     rope = {"theta": p.theta, "dim": p.rotary_dim, "style": "neox", "scaling": p.scaling}
     q, k = t.rope(q, positions, **rope), t.rope(k, positions, **rope)
     o = t.reshape(t.attention(q, k, v, positions, layer=layer, scale=Dh**-0.5), (R, T, H * Dh))
@@ -204,13 +206,13 @@ def trace_qwen3next(cfg: ModelConfig, t: Tracer) -> None:
     x = t.embed(t.weight("model.embed_tokens.weight"), tokens)  # [R, T, D]
     for i, kind in enumerate(p.layer_types):
         pre = f"model.layers.{i}."
-        h = t.rms_norm(x, t.weight(pre + "input_layernorm.weight"), p.norm_eps, 1.0)
+        h = t.rms_norm(x, t.weight(pre + "input_layernorm.weight"), p.norm_eps, p.norm_offset)
         if kind == "linear_attention":
             a = gated_deltanet(t, p, pre + "linear_attn.", i, h)
         else:
             a = gated_attention(t, p, pre + "self_attn.", i, h, positions)
         x = t.add(x, a)
-        h = t.rms_norm(x, t.weight(pre + "post_attention_layernorm.weight"), p.norm_eps, 1.0)
+        h = t.rms_norm(x, t.weight(pre + "post_attention_layernorm.weight"), p.norm_eps, p.norm_offset)
         x = t.add(x, sparse_moe(t, p, pre + "mlp.", h) if p.moe_layers[i] else gated_mlp(t, pre + "mlp.", h))
-    x = t.rms_norm(x, t.weight("model.norm.weight"), p.norm_eps, 1.0)
+    x = t.rms_norm(x, t.weight("model.norm.weight"), p.norm_eps, p.norm_offset)
     t.finish(x, t.optional_weight("lm_head.weight") or t.weight("model.embed_tokens.weight"))
