@@ -132,12 +132,12 @@ class _Reader:
         raise self.fail(f"unknown metadata value type {kind}", self.pos - 4)
 
 
+@dataclass(eq=False, repr=False)
 class GGUFFile:
-    def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo], buffer: mmap.mmap) -> None:
-        self.path = path
-        self.metadata = metadata
-        self._tensors = tensors
-        self._buffer = buffer
+    path: Path
+    metadata: dict[str, Any]
+    _tensors: dict[str, TensorInfo]
+    _buffer: mmap.mmap
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:

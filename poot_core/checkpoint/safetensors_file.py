@@ -13,6 +13,7 @@ import math
 import mmap
 import struct
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +52,13 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+@dataclass(eq=False, repr=False)
 class SafetensorsFile:
-    def __init__(
-        self,
-        path: Path,
-        entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
-        metadata: dict[str, str],
-        data_start: int,
-        buffer: mmap.mmap | None,
-    ) -> None:
-        self.path = path
-        self._entries = entries
-        self.metadata = metadata
-        self._data_start = data_start
-        self._buffer = buffer
+    path: Path
+    _entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+    metadata: dict[str, str]
+    _data_start: int
+    _buffer: mmap.mmap | None
 
     @classmethod
     def open(cls, path: str | Path) -> SafetensorsFile:
