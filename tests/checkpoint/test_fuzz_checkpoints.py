@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from helpers.fuzz import outcome
+from helpers.gguf_edit import finish_gguf
 from poot_core.checkpoint.gguf_file import GGUFFile
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
@@ -38,10 +39,7 @@ def small_gguf(path) -> bytes:
     q = quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), GGMLQuantizationType.Q4_1)
     w.add_tensor("q", q, raw_dtype=GGMLQuantizationType.Q4_1)
     w.add_tensor("h", rng.standard_normal((2, 4)).astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path.read_bytes()
 
 

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.fuzz import BUDGET_S, outcome
+from helpers.gguf_edit import finish_gguf
 from poot_core.checkpoint.gguf_file import GGUFFile
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
@@ -192,10 +193,7 @@ def writer_file(path: Path) -> bytes:
         q = quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), qtype)
         w.add_tensor(f"w_{qtype.name}", q, raw_dtype=qtype)
     w.add_tensor("h", rng.standard_normal((3, 8)).astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path.read_bytes()
 
 

@@ -42,6 +42,7 @@ import torch
 import transformers as tf
 
 from helpers import tiny
+from helpers.gguf_edit import finish_gguf
 from helpers.moe import moe_config
 from helpers.paths import TESTDATA, fetched
 from poot_core import (
@@ -281,10 +282,7 @@ def _rewrite(src: Path, dst: Path, keys: dict[str, tuple[Any, Any]] | None = Non
         assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
         for name, data in (edit or (lambda n, a: [(n, a)]))(t.name, np.array(t.data)):
             w.add_tensor(name, np.ascontiguousarray(data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
+from helpers.gguf_edit import finish_gguf
 from poot_core.checkpoint.gguf_file import GGUFFile
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
@@ -62,10 +63,7 @@ def write_good(path, seed: int = 0) -> dict:
     q4k = rng.integers(0, 256, size=(2, 144), dtype=np.uint8)
     q4k[:, 0:4] = rng.uniform(-0.1, 0.1, size=(2, 2)).astype(np.float16).view(np.uint8)
     w.add_tensor("blk.q4_k", q4k, raw_dtype=GGMLQuantizationType.Q4_K)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return {**tensors, "blk.q4_1": q41, "vec.q8_0": q80, "blk.q4_k": q4k}
 
 
@@ -124,10 +122,7 @@ def test_type_poot_cannot_compute_opens_but_refuses_the_tensor(tmp_path) -> None
     w = GGUFWriter(str(path), "llama")
     w.add_tensor("odd", np.zeros((1, 66), dtype=np.uint8), raw_dtype=GGMLQuantizationType.IQ2_XXS)
     w.add_tensor("ok", np.ones(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     f = GGUFFile.open(path)
     assert f.tensor_info("odd").type_name == "IQ2_XXS"
     assert torch.equal(f.tensor("ok"), torch.ones(4))

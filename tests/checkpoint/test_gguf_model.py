@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from helpers import smollm, tiny
+from helpers.gguf_edit import finish_gguf
 from helpers.memory import forward_pass_memory
 from poot_core import Driver, DriverOptions, ModelHandle, Reason, Unsupported, open_executor
 
@@ -75,10 +76,7 @@ def test_unknown_block_type_is_refused_before_compute(tmp_path):
     w = gguf.GGUFWriter(path, "llama")
     # 4 rows of one IQ2_XXS block (256 weights in 66 bytes) each
     w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     from poot_core.checkpoint.gguf_file import GGUFFile
 
     with pytest.raises(Unsupported) as err:

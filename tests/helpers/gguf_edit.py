@@ -1,9 +1,19 @@
-"""GGUF files with metadata changed in place (gguf's own reader)."""
+"""GGUF files finished with gguf's own writer, and copies with metadata changed in place (its reader)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
+
+
+def finish_gguf(writer: Any) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors to its file, in the order the format needs, and
+    close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def gguf_copy(source: Path, target: Path, **fields: object) -> Path:

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from helpers import tiny
 from helpers.gguf_blocks import QUANTIZABLE, random_blocks
+from helpers.gguf_edit import finish_gguf
 from helpers.moe import gguf_tokenizer
 
 PROMPT = [(11 * i + 5) % 250 + 2 for i in range(24)]
@@ -82,8 +83,5 @@ def build(tmp: Path, type_name: str) -> tuple[Path, Path]:
     gguf_tokenizer(w)
     for name, (array, raw) in tensors.items():
         w.add_tensor(name, array, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path, reference

@@ -11,6 +11,7 @@ import torch
 import transformers as tf
 
 from helpers import tiny
+from helpers.gguf_edit import finish_gguf
 
 EXPERTS = 8
 
@@ -313,8 +314,5 @@ def write_gguf(src: Path, dst: Path, arch: str) -> Path:
     gguf_tokenizer(w)
     for gname, (array, quantized) in out.items():
         w.add_tensor(gname, array, raw_dtype=q8 if quantized else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path

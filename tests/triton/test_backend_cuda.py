@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
+from helpers.backends import assert_absent_device_is_refused
 from helpers.graphs import trace  # noqa: E402
 from poot_backend_cuda.executor import CudaExecutor  # noqa: E402
 from poot_backend_cuda.plugin import probe  # noqa: E402
@@ -21,7 +22,6 @@ from poot_core import (  # noqa: E402
     StepShape,
     Unsupported,
     installed_backends,
-    open_executor,
 )
 
 HAS_GPU = probe()
@@ -43,13 +43,7 @@ def test_registered_with_alias_and_priority():
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the refusal on a machine without a GPU")
 def test_absent_device_is_refused_by_name():
-    for name in ("cuda", "ptx"):
-        with pytest.raises(Unsupported) as err:
-            open_executor(name)
-        assert err.value.reason is Reason.BACKEND and err.value.name == "cuda"
-    with pytest.raises(Unsupported) as err:
-        CudaExecutor()
-    assert err.value.reason is Reason.BACKEND
+    assert_absent_device_is_refused("cuda", ("cuda", "ptx"), CudaExecutor)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the interpreter path is for machines without a GPU")

@@ -22,6 +22,7 @@ import torch
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 import poot_backend_rocm.executor as rocm_executor  # noqa: E402
+from helpers.backends import assert_absent_device_is_refused
 from poot_backend_rocm import ARCHITECTURES, arch_info  # noqa: E402
 from poot_backend_rocm.executor import RocmExecutor  # noqa: E402
 from poot_backend_rocm.plugin import probe  # noqa: E402
@@ -272,13 +273,7 @@ def test_an_architecture_triton_does_not_target_is_refused_by_name(monkeypatch):
 
 @pytest.mark.skipif(probe(), reason="checks the refusal on a machine without an AMD GPU")
 def test_absent_device_is_refused_by_name():
-    for name in ("rocm", "hip"):
-        with pytest.raises(Unsupported) as err:
-            open_executor(name)
-        assert err.value.reason is Reason.BACKEND and err.value.name == "rocm"
-    with pytest.raises(Unsupported) as err:
-        RocmExecutor()
-    assert err.value.reason is Reason.BACKEND
+    assert_absent_device_is_refused("rocm", ("rocm", "hip"), RocmExecutor)
 
 
 @pytest.mark.skipif(probe(), reason="checks the refusal on a machine without an AMD GPU")

@@ -19,6 +19,7 @@ except ImportError:
     pass
 
 from helpers import smollm
+from helpers.gguf_edit import finish_gguf
 from helpers.graphs import trace
 from poot_core import (
     Driver,
@@ -219,10 +220,7 @@ def write_tiny_gguf(path, layers: int = 2, hidden: int = 256, ffn: int = 256) ->
         matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_K)
         matrix(f"blk.{i}.ffn_up.weight", ffn, hidden, Q.Q8_0)
         matrix(f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q6_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def test_tiny_gguf_blocks_match_cpu(tmp_path, vulkan):
