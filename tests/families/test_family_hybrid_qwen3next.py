@@ -147,13 +147,15 @@ def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp
 
 @pytest.fixture(scope="module")
 def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint (without the
-    multi-token-prediction block it would otherwise look for: the checkpoint has none)."""
+    """The f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint with an MTP block
+    (as the hub's checkpoints have; the converter writes it as block 4 and nextn_predict_layers 1)."""
+    from helpers.hybrid import with_mtp_block
+
     fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
     out = root / "qwen3next.gguf"
-    job = {"src": str(hybrid_checkpoint("qwen3next")), "outtype": "f32", "out": str(out), "args": ["--no-mtp"]}
-    (root / "jobs.json").write_text(json.dumps([job]))
+    source = with_mtp_block(hybrid_checkpoint("qwen3next"), root / "with_mtp")
+    (root / "jobs.json").write_text(json.dumps([{"src": str(source), "outtype": "f32", "out": str(out)}]))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -162,11 +164,12 @@ def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_checkpoint):
     """The f32 file (qwen3next: attn_qkv/attn_gate, ssm_a = -exp(A_log), norms stored as 1 + w, stacked
-    experts): logits of a chunked prefill against transformers on the original checkpoint, and greedy tokens
-    against transformers' generate."""
+    experts, the MTP block not read): logits of a chunked prefill against transformers on the original
+    checkpoint, and greedy tokens against transformers' generate."""
     handle = ModelHandle.load(converted)
     config = handle.config()
     assert config.source_format == "gguf" and config.architecture == "qwen3next"
+    assert config.raw["qwen3next.block_count"] == 5 and config.raw["qwen3next.nextn_predict_layers"] == 1
     assert config.params.layer_types == ["linear_attention", "full_attention"] * 2 and config.params.rotary_dim == 8
     d = Driver(handle, open_executor("cpu"), DriverOptions(capacity=256, prefill_chunk=CHUNK))
     ref = tiny.reference_logits(hybrid_checkpoint("qwen3next"), PROMPT)

@@ -3,6 +3,7 @@ Bamba and Qwen3-Next."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,27 @@ def hybrid_config(arch: str) -> Any:
                                   num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
                                   tie_word_embeddings=True)
     raise ValueError(arch)
+
+
+def with_mtp_block(path: Path, copy: Path, seed: int = 1) -> Path:
+    """A copy of a Qwen3-Next checkpoint with the multi-token-prediction block the hub's checkpoints carry under
+    `mtp.*` (transformers skips it; llama.cpp's converter writes it as one more block): a decoder layer (here
+    the last layer's weights), the fc joining embedding and hidden state, and its norms."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, copy)
+    weights = load_file(copy / "model.safetensors")
+    hidden = weights["model.norm.weight"].shape[0]
+    last = max(int(name.split(".")[2]) for name in weights if name.startswith("model.layers."))
+    g = torch.Generator().manual_seed(seed)
+    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.05}
+    extra |= {f"mtp.{n}.weight": torch.zeros(hidden) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    prefix = f"model.layers.{last}."
+    extra |= {"mtp.layers.0." + n.removeprefix(prefix): w.clone() for n, w in weights.items() if n.startswith(prefix)}
+    dtype = weights["model.norm.weight"].dtype
+    save_file({**weights, **{n: w.to(dtype) for n, w in extra.items()}}, copy / "model.safetensors",
+              metadata={"format": "pt"})
+    return copy
 
 
 def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
