@@ -4,6 +4,10 @@ that writes `<start_of_image>` for an image part as Gemma 3's does."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,17 @@ GEMMA3_TEMPLATE = (
 )
 
 
-def config(vocab: int = 300, boi: int = BOI, eoi: int = EOI, image: int = IMAGE_TOKEN) -> tf.Gemma3Config:
-    text = tf.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+# layer types: three with a global one in the middle (checkpoints by id); or Gemma 3's released pattern, five
+# sliding then a global one, the only one llama.cpp's GGUF can say (it writes no per-layer types)
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+RELEASED = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def config(vocab: int = 300, boi: int = BOI, eoi: int = EOI, image: int = IMAGE_TOKEN,
+           layer_types: list[str] = MIXED) -> tf.Gemma3Config:
+    text = tf.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, sliding_window=WINDOW, layer_types=layer_types,
                                max_position_embeddings=512, query_pre_attn_scalar=16, bos_token_id=0,
                                eos_token_id=1, pad_token_id=0)
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -68,15 +79,17 @@ def checkpoint(path: Path, dtype: torch.dtype = torch.float32, seed: int = 3) ->
 
 
 def chat_checkpoint(path: Path) -> tuple[Path, Any, Any]:
-    """A checkpoint whose tokenizer has Gemma 3's image and turn tokens and the chat template above; with the
-    transformers Gemma3Processor over the same tokenizer."""
+    """A checkpoint in Gemma 3's layer pattern whose tokenizer (with merges, as llama.cpp's converter needs) has
+    Gemma 3's image and turn tokens and the chat template above; with the transformers Gemma3Processor over the
+    same tokenizer."""
     fast = tf.PreTrainedTokenizerFast(
-        tokenizer_object=tiny.train_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>",
+        tokenizer_object=tiny.train_tokenizer(320), bos_token="<|bos|>", eos_token="<|eos|>",
         chat_template=GEMMA3_TEMPLATE,
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     fast.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
-    cfg = config(vocab=len(fast), boi=fast.boi_token_id, eoi=fast.eoi_token_id, image=fast.image_token_id)
+    cfg = config(vocab=len(fast), boi=fast.boi_token_id, eoi=fast.eoi_token_id, image=fast.image_token_id,
+                 layer_types=RELEASED)
     cfg.text_config.bos_token_id = fast.bos_token_id
     m = model(cfg, seed=5)
     m.save_pretrained(path)
@@ -85,3 +98,36 @@ def chat_checkpoint(path: Path) -> tuple[Path, Any, Any]:
     full = tf.Gemma3Processor(image_processor=processor(), tokenizer=fast, image_seq_length=TOKENS_PER_IMAGE,
                               chat_template=GEMMA3_TEMPLATE)
     return path, m, full
+
+
+def released_layout(path: Path) -> None:
+    """Re-key a saved checkpoint to the released Gemma 3 layout (vision_tower.vision_model.), which llama.cpp's
+    converter expects (transformers 5 saves vision_tower.), and give preprocessor_config.json the processor's
+    image_seq_length, as released checkpoints do (the converter reads the pooling from it)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+               for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+    pre = path / "preprocessor_config.json"
+    pre.write_text(json.dumps(json.loads(pre.read_text()) | {"image_seq_length": TOKENS_PER_IMAGE}, indent=2))
+
+
+def llama_cpp_pair(path: Path, hf: Path) -> tuple[Path, Path]:
+    """llama.cpp's text GGUF and mmproj GGUF (f32; the converter keeps the projection F16) of the checkpoint
+    `hf`, converted from a released-layout copy under `path`."""
+    from helpers.paths import TESTDATA, fetched
+
+    converter = fetched(TESTDATA / "llama.cpp" / "convert" / "convert_hf_to_gguf.py").parent
+    source = path / "released"
+    shutil.copytree(hf, source)
+    released_layout(source)
+    text, mmproj = path / "text.gguf", path / "mmproj.gguf"
+    jobs = [{"src": str(source), "outtype": "f32", "out": str(text)},
+            {"src": str(source), "outtype": "f32", "out": str(mmproj), "args": ["--mmproj"]}]
+    (path / "jobs.json").write_text(json.dumps(jobs))
+    run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(converter),
+                          str(path / "jobs.json")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return text, mmproj

@@ -52,6 +52,7 @@ class VisionLanguageParams:
     text_prefixes: tuple[str, ...] = ("model.text_model.",)
     boi_token_id: int | None = None  # Gemma 3's start and end of an image
     eoi_token_id: int | None = None
+    soft_norm_offset: float = 1.0  # Gemma 3's soft-embedding norm: (1 + w); llama.cpp's mmproj stores 1 + w (0.0)
 
 
 def vision_params(vc: dict[str, Any], scale_factor: int, family: str = "Idefics3") -> VisionParams:

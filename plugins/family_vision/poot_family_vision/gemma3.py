@@ -96,7 +96,7 @@ def trace_vision(p: VisionLanguageParams, t: Tracer, images: int) -> None:
         total = t.add(total, t.slice(joined, j * D, (j + 1) * D))
     pooled = t.scale(total, 1.0 / k2)
     projector = first_prefix(t, PROJECTOR_PREFIXES, "mm_soft_emb_norm.weight")
-    normed = t.rms_norm(pooled, t.weight(projector + "mm_soft_emb_norm.weight"), v.norm_eps, offset=1.0)
+    normed = t.rms_norm(pooled, t.weight(projector + "mm_soft_emb_norm.weight"), v.norm_eps, p.soft_norm_offset)
     t.output(t.linear(normed, t.weight(PROJECTION)))
 
 

@@ -42,9 +42,10 @@ class Idefics3Images:
 class Gemma3Images:
     bidirectional = True
 
-    def __init__(self, handle: ModelHandle, params: VisionLanguageParams) -> None:
+    def __init__(self, handle: ModelHandle, params: VisionLanguageParams,
+                 settings: SquareSettings | None = None) -> None:
         self.params, self._handle = params, handle
-        self.settings = SquareSettings.from_dir(handle.path, params.vision.image_size)
+        self.settings = settings or SquareSettings.from_dir(handle.path, params.vision.image_size)
 
     def _token(self, token_id: int | None) -> str:
         name = None if token_id is None else self._handle.text().tokenizer.id_to_token(token_id)

@@ -24,20 +24,30 @@ from poot_family_vision.preprocess import load_image, patches
 
 
 class VisionLanguageModel:
-    def __init__(self, handle: ModelHandle, executor: Executor | str = "cpu", capacity: int = 512) -> None:
-        self.handle, self.config = handle, handle.config()
+    def __init__(self, handle: ModelHandle, executor: Executor | str = "cpu", capacity: int = 512,
+                 mmproj: str | Path | None = None) -> None:
+        """`handle` a vision-language checkpoint, or with `mmproj` (llama.cpp's vision GGUF) its text GGUF."""
+        self.handle = handle
+        if mmproj is not None:
+            from poot_family_vision.mmproj import open_pair
+
+            self.config, store, self.kind = open_pair(handle, mmproj)
+        else:
+            self.config, store = handle.config(), handle.store()
         if not isinstance(self.config.params, VisionLanguageParams):
             raise RequestError(f"{self.config.architecture} takes no images")
         self.params: VisionLanguageParams = self.config.params
         self.executor = open_executor(executor) if isinstance(executor, str) else executor
         self.capacity = min(capacity, self.config.max_positions)
-        self.weights = self.executor.upload(handle.store())
-        self._shapes = handle.store().shapes()
-        self.kind = images_of(handle, self.params)
+        self.weights = self.executor.upload(store)
+        self._shapes = store.shapes()
+        if mmproj is None:
+            self.kind = images_of(handle, self.params)
 
     @classmethod
-    def load(cls, path: str | Path, executor: Executor | str = "cpu", capacity: int = 512) -> VisionLanguageModel:
-        return cls(ModelHandle.load(path), executor, capacity)
+    def load(cls, path: str | Path, executor: Executor | str = "cpu", capacity: int = 512,
+             mmproj: str | Path | None = None) -> VisionLanguageModel:
+        return cls(ModelHandle.load(path), executor, capacity, mmproj)
 
     def _program(self, shape: StepShape, trace) -> tuple[object, object]:
         t = Tracer(shape, self._shapes)
