@@ -117,15 +117,13 @@ def create_app(state: ServerState, loader: Loader, on_load_failure: Callable[[st
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        state.check_model(body.model)
-        loaded = state.need()
+        loaded = state.serving(body.model)
         ids = _tokenize(loaded.text, body)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": loaded.window})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        state.check_model(body.model)
-        return JSONResponse({"prompt": state.need().text.decode(body.tokens)})
+        return JSONResponse({"prompt": state.serving(body.model).text.decode(body.tokens)})
 
     return app
 

@@ -42,8 +42,7 @@ def _state(request: Request) -> ServerState:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
-    state.check_model(body.model)
-    loaded = state.need()
+    loaded = state.serving(body.model)
     plan = chat_plan(loaded.text, body, loaded.window)
     return await _serve(state, request, body, [plan], chat=True, text=loaded.text)
 
@@ -51,8 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
-    state.check_model(body.model)
-    loaded = state.need()
+    loaded = state.serving(body.model)
     plans = completion_plans(loaded.text, body, loaded.window)
     return await _serve(state, request, body, plans, chat=False, text=loaded.text)
 

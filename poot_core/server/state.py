@@ -71,6 +71,12 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
                            param="model", code="model_not_found")
 
+    def serving(self, model: str | None) -> Loaded:
+        """The loaded model for a request that names `model` (or none): 404 for another name, then 503 while
+        the model is not ready."""
+        self.check_model(model)
+        return self.need()
+
     # --- admission ------------------------------------------------------------------------------------
     async def submit(self, tenant: Tenant, requests: list[GenerateRequest]) -> list[Ticket]:
         """Queue the requests of one HTTP request (all or none); 429 over a tenant limit or a full queue."""
