@@ -188,7 +188,7 @@ def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 3)
     match the replayed graph's, the launch gaps do not)."""
     from torch.profiler import ProfilerActivity, profile
 
-    dec.use_graph = False
+    captured, dec.use_graph = dec.use_graph, False
     try:
         dec.run(state, inputs)
         torch.cuda.synchronize()
@@ -197,7 +197,7 @@ def kernel_profile(dec: Any, state: Any, inputs: dict[str, Any], steps: int = 3)
                 dec.run(state, inputs)
             torch.cuda.synchronize()
     finally:
-        dec.use_graph = True
+        dec.use_graph = captured
     totals: dict[str, float] = {}
     launches = 0
     for ev in prof.key_averages():
@@ -240,16 +240,8 @@ def poot_run(hf: dict[str, Any], name: str, prompt: int, new: int, prefill: int,
     ids = rng.integers(0, hf["vocab_size"], prompt)
 
     def generate() -> tuple[float, list[int]]:
-        out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
-        token = ex.greedy_token(out)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        toks = [token]
-        for step in range(new - 1):
-            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
-            token = ex.greedy_token(out)
-            toks.append(token)
-        return time.perf_counter() - t1, toks
+        _, decode_s, tokens = common.greedy_generate(ex, pre, dec, state, ids, new, torch.cuda.synchronize)
+        return decode_s, tokens
 
     t0 = time.perf_counter()
     generate()  # compiles kernels and captures the decode graph

@@ -47,7 +47,8 @@ class Program(Protocol):
 
 
 class Executor(Protocol):
-    """What every backend defines. Optional methods (declared below, each with its default): greedy_token."""
+    """What every backend defines. Optional methods (declared below, each with its default): greedy_token,
+    greedy_rows."""
 
     name: str
 
@@ -86,6 +87,23 @@ class GreedyOnDevice(Protocol):
 def device_greedy(executor: Executor) -> Callable[[Output], int] | None:
     """The executor's `greedy_token`, or None when it has none (then pick on the host from `to_numpy`)."""
     return executor.greedy_token if isinstance(executor, GreedyOnDevice) else None
+
+
+@runtime_checkable
+class GreedyRowsOnDevice(Protocol):
+    """Optional `greedy_rows(output)`: int64 [slots], the id of the largest logit of each sequence slot of a
+    paged serving step's logits output [1, slots, vocab] (lowest id on ties, as numpy's argmax), picked on the
+    device so that the ids cross to the host instead of the logits.
+
+    Default for a backend without it: the serving engine reads the logits with `to_numpy` and each row's
+    Sampler picks on the host."""
+
+    def greedy_rows(self, output: Output) -> np.ndarray: ...
+
+
+def device_greedy_rows(executor: Executor) -> Callable[[Output], np.ndarray] | None:
+    """The executor's `greedy_rows`, or None when it has none."""
+    return executor.greedy_rows if isinstance(executor, GreedyRowsOnDevice) else None
 
 
 @dataclass
@@ -180,6 +198,6 @@ def check_positions(graph: Graph, inputs: dict[str, Any]) -> None:
         raise RequestError(f"positions {low}..{high} fall outside the KV cache's {capacity} positions")
 
 
-__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "GreedyOnDevice", "Output", "Program",
-           "State", "StepShape", "Weights", "check_positions", "device_greedy", "installed_backends",
-           "open_executor", "require_ops"]
+__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "GreedyOnDevice", "GreedyRowsOnDevice",
+           "Output", "Program", "State", "StepShape", "Weights", "check_positions", "device_greedy",
+           "device_greedy_rows", "installed_backends", "open_executor", "require_ops"]

@@ -25,9 +25,10 @@ from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
+from poot_core.driver.speculative_engine import engine_speculation
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
-from poot_core.executor import Output, Program
+from poot_core.executor import Output, Program, device_greedy_rows
 from poot_core.graph import Graph, Paging, StepShape
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ class _Request:
     pieces: list[str] = field(default_factory=list)
     first_token: float = 0.0
     logprobs: list[TokenLogprobs] | None = None
+    proposed: int = 0  # speculative decoding: draft tokens verified, kept, and the runs that verified them
+    accepted: int = 0
+    verify_steps: int = 0
 
 
 def _buckets(limit: int) -> list[int]:
@@ -123,11 +127,13 @@ class ServingDriver:
         self.keep_logits = False  # tests: keep the logits each sampled token came from, per request
         self.logits: dict[int, list[np.ndarray]] = {}
         self.steps = 0
+        self.speculation = engine_speculation(self)  # None without a draft policy (speculative_engine.py)
+        self._greedy_rows = device_greedy_rows(executor)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
-    def _shape(self, tokens: int, seqs: int) -> StepShape:
-        paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks)
+    def _shape(self, tokens: int, seqs: int, decode: bool = False) -> StepShape:
+        paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode)
         return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging)
 
     def _pool_blocks(self) -> int:
@@ -194,6 +200,8 @@ class ServingDriver:
         if request.logprobs is not None:
             req.logprobs = []
         self._requests[rid] = req
+        if self.speculation is not None:
+            self.speculation.begin(req)
         if self.keep_logits:
             self.logits[rid] = []
         if limit == 0:
@@ -227,13 +235,21 @@ class ServingDriver:
         return events + self._step()
 
     def _step(self) -> list[Event]:
+        if self.speculation is not None:
+            self.speculation.propose()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting:
                 raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
             return []
+        if self.speculation is not None and any(seq.draft for seq, _ in batch):
+            return self.speculation.verify(batch)  # some sequences run their drafts: every position's logits
         n = sum(count for _, count in batch)
-        shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
+        if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
+            width = _bucket(self._seq_buckets, n)
+            shape = self._shape(width, width, decode=True)
+        else:
+            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
         inputs = self._inputs(shape, batch)
         for seq, count in batch:  # the masks of the rows this step samples are built while it runs
             matcher = self._requests[seq.id].constraint
@@ -260,7 +276,7 @@ class ServingDriver:
         logit_index = np.zeros(paging.seqs, dtype=np.int64)
         t = 0
         for slot, (seq, count) in enumerate(batch):
-            tokens[0, t : t + count] = seq.tokens[seq.computed : seq.computed + count]
+            tokens[0, t : t + count] = (seq.tokens[seq.computed :] + seq.draft)[:count]
             positions[0, t : t + count] = np.arange(seq.computed, seq.computed + count)
             seq_index[t : t + count] = slot
             tables[slot, : len(seq.blocks)] = seq.blocks
@@ -269,16 +285,24 @@ class ServingDriver:
         return {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
                 "logit_index": logit_index}
 
+    def _on_device(self, req: _Request) -> bool:
+        """Whether the row's token can be the executor's argmax (the logits then never cross to the host)."""
+        return (self._greedy_rows is not None and not self.keep_logits and req.constraint is None
+                and req.logprobs is None and req.request.sampler.is_greedy)
+
     def _sample(self, batch: list[tuple[Sequence, int]], out: Output) -> list[Event]:
-        logits = self.driver.executor.to_numpy(out)[0]  # [slots, vocab]
+        picking = [(slot, self._requests[seq.id]) for slot, (seq, _) in enumerate(batch) if not seq.pending]
+        # seq.pending: a prefill chunk short of the prompt's end, nothing to pick yet
+        greedy = self._greedy_rows(out) if any(self._on_device(r) for _, r in picking) else None
+        logits = None if all(self._on_device(r) for _, r in picking) else self.driver.executor.to_numpy(out)[0]
         events: list[Event] = []
-        for slot, (seq, _) in enumerate(batch):
-            if seq.pending:  # a prefill chunk short of the prompt's end: nothing to pick yet
-                continue
-            req = self._requests[seq.id]
-            if self.keep_logits:
-                self.logits[seq.id].append(logits[slot].copy())
+        for slot, req in picking:
             try:
+                if greedy is not None and self._on_device(req):
+                    events.extend(self._accept(req, int(greedy[slot])))
+                    continue
+                if self.keep_logits:
+                    self.logits[req.seq.id].append(logits[slot].copy())
                 events.extend(self._pick(req, logits[slot]))
             except PootError as exc:  # this request's own failure (its constraint allows no token, or failed):
                 events.extend(self._finish(req, "error", exc))  # it ends; the step's other rows go on
@@ -337,6 +361,8 @@ class ServingDriver:
                 if req.on_token:
                     req.on_token(-1, tail)
         self.scheduler.remove(req.seq)
+        if self.speculation is not None:
+            self.speculation.end(req.seq.id)
         del self._requests[req.seq.id]
         now = time.perf_counter()
         first = req.first_token or now
@@ -344,6 +370,7 @@ class ServingDriver:
         timings = Timings(prefill_tokens=req.prompt_len - req.seq.reused, prefill_seconds=first - req.submitted,
                           decode_tokens=max(count - 1, 0), decode_seconds=now - first if count else 0.0,
                           reused_tokens=req.seq.reused)
+        timings.proposed, timings.accepted, timings.verify_steps = req.proposed, req.accepted, req.verify_steps
         generation = Generation(list(req.generated), "".join(req.pieces), reason, timings,
                                 None if req.logprobs is None else list(req.logprobs))
         tpot = (now - first) / (count - 1) if count > 1 else 0.0

@@ -47,12 +47,17 @@ class Paging:
     sequences; each layer's KV state is a pool of `blocks` blocks of `block_size` positions, and a sequence's
     position p lives in block `block_tables[s, p // block_size]` at offset p % block_size. The step's extra
     inputs: seq_index [tokens] (the sequence slot of each token; -1 for padding), block_tables
-    [seqs, max_blocks], logit_index [seqs] (the token whose logits each slot reads)."""
+    [seqs, max_blocks], logit_index [seqs] (the token whose logits each slot reads).
+
+    decode: every token of the step is its sequence's only one, token i in slot i (padding after the last):
+    a backend then needs no look at the inputs to split the step into runs, so it may replay the step as a
+    captured graph. The arithmetic of each token is the same either way."""
 
     blocks: int
     block_size: int
     seqs: int
     max_blocks: int
+    decode: bool = False
 
 
 def sequence_runs(seq_index: Any) -> Iterator[tuple[int, int, int]]:

@@ -112,11 +112,19 @@ def _options(**serve) -> DriverOptions:
     return options
 
 
+def _engine(handle, executor):
+    return Driver(handle, executor, _options(block_size=4, step_tokens=8, max_running=4,
+                                             kv_blocks=20)).serve(Layout.PAGED)
+
+
+def _requests(prompts):
+    return [GenerateRequest(list(p), max_new=NEW, ignore_eos=True) for p in prompts]
+
+
 def _served(handle, executor, prompts):
-    engine = Driver(handle, executor, _options(block_size=4, step_tokens=8, max_running=4,
-                                               kv_blocks=20)).serve(Layout.PAGED)
-    engine.keep_logits = True
-    gens = engine.generate_batch([GenerateRequest(list(p), max_new=NEW, ignore_eos=True) for p in prompts])
+    engine = _engine(handle, executor)
+    engine.keep_logits = True  # every token picked on the host from the logits kept
+    gens = engine.generate_batch(_requests(prompts))
     return gens, [np.stack(engine.logits[i]) for i in range(len(prompts))]
 
 
@@ -132,6 +140,12 @@ def test_triton_engine_equals_contiguous_tokens_and_cpu_engine_logits(arch, tmp_
     for i, prompt in enumerate(prompts):
         alone = solo.generate(GenerateRequest(list(prompt), max_new=NEW, ignore_eos=True))
         assert gens[i].tokens == alone.tokens, f"request {i}"
+    # the same requests with greedy tokens picked on the device (no logits cross): the same tokens; the steps
+    # of decode tokens only run as their own programs (replayed CUDA graphs on a GPU)
+    engine = _engine(handle, ex)
+    assert [g.tokens for g in engine.generate_batch(_requests(prompts))] == [g.tokens for g in gens]
+    decode_only = [prog for shape, prog in engine._programs.items() if shape.paging.decode]
+    assert decode_only and all(prog.use_graph != interpreted() for prog in decode_only)
     _, cpu_logits = _served(handle, open_executor("cpu"), prompts)
     for i, (ours, ref) in enumerate(zip(logits, cpu_logits, strict=True)):
         assert ours.shape == ref.shape == (NEW, ours.shape[1])

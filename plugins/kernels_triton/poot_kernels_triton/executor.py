@@ -10,6 +10,7 @@ with by overriding `check_weight`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -125,7 +126,9 @@ class TritonExecutor:
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
         # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
         # captured as CUDA graphs
-        use_graph = self.use_cuda_graphs and graph.shape.tokens == 1 and not binder.host_syncs
+        paging = graph.shape.paging
+        one_token = graph.shape.tokens == 1 if paging is None else paging.decode
+        use_graph = self.use_cuda_graphs and one_token and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
@@ -145,14 +148,19 @@ class TritonExecutor:
 
     def greedy_token(self, value: torch.Tensor) -> int:
         """The argmax over the vocabulary of row 0's last position, computed on the GPU: one id crosses."""
+        return int(self._argmax(value[0, -1:].reshape(1, -1)).item())
+
+    def greedy_rows(self, value: torch.Tensor) -> np.ndarray:
+        """The argmax of each sequence slot of a paged step's logits [1, slots, vocab], on the GPU: the ids
+        cross to the host, not the logits."""
+        return self._argmax(value.reshape(-1, value.shape[-1])).cpu().numpy()
+
+    def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
         from .sampling import greedy
         from .tuning import use_tuning
 
-        last = value[0, -1:].reshape(1, -1)
-        if self.tuning is None:
-            return int(greedy(last).item())
-        with use_tuning(self.tuning):
-            return int(greedy(last).item())
+        with use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext():
+            return greedy(rows)
 
     # --- helpers ---------------------------------------------------------------------------------------
     @staticmethod

@@ -197,6 +197,15 @@ def launch_gemv(kernel: Any, tile: Tile, width: int, rows: int, steps: int, step
     )
 
 
+def _vendor_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                 tuning: Tuning) -> bool:
+    """Whether the vendor's BLAS computes this product (Tuning.vendor_gemm_rows): 16-bit operands of one dtype,
+    the output in that dtype (float32 logits keep the Triton GEMM, which stores its float32 sums)."""
+    rows = tuning.vendor_gemm_rows
+    return (rows > 0 and x.shape[0] >= max(rows, GEMV_MAX_ROWS + 1) and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and out_dtype in (None, x.dtype))
+
+
 def dense_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -208,8 +217,9 @@ def dense_linear(
 
     x: [m, k] float32/float16/bfloat16. weight: [n, k] float16/bfloat16/float32, last dim contiguous.
     bias: [n] or None. Accumulates in float32. Returns [m, n] in x's dtype. Rows <= GEMV_MAX_ROWS take the
-    GEMV kernel; more take the tiled GEMM (its tl.dot runs in x's dtype on a GPU). out_dtype: the output's
-    dtype when not x's (float32 logits from 16-bit activations).
+    GEMV kernel; more take the tiled GEMM (its tl.dot runs in x's dtype on a GPU), or the vendor's BLAS where
+    the target's tuning says so (`_vendor_gemm`). out_dtype: the output's dtype when not x's (float32 logits
+    from 16-bit activations).
     """
     check_dims("x", x, 2)
     check_dims("weight", weight, 2)
@@ -225,8 +235,10 @@ def dense_linear(
         check_same_device(x, weight)
     x = unit_stride_last(x)
     weight = unit_stride_last(weight)
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     tuning = tuning_for_device(x.device)
+    if _vendor_gemm(x, weight, bias, out_dtype, tuning):
+        return torch.nn.functional.linear(x, weight, bias)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     common = dict(
         x_ptr=x,
         w_ptr=weight,

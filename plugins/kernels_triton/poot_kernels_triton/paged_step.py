@@ -11,8 +11,10 @@ holding the chunk's keys) and the contiguous prefill kernel runs on it; nothing 
 A faster prefill route (not built): a varlen flash-attention kernel whose query tiles are BLOCK_M tokens of
 one sequence and whose key tiles are read through the block table, as the decode kernel reads them, so no
 gather copy is made and all chunks of a step run in one launch (the per-tile sequence map built on the host).
-The step splits its tokens on the host (the engine's inputs are host arrays), so paged steps run eagerly,
-never as CUDA graphs.
+A mixed step splits its tokens on the host (the engine's inputs are host arrays), so it runs eagerly. A step
+of decode tokens only (Paging.decode) needs no split: every token goes through the paged decode kernel, padding
+included (slot -1 writes nothing and reads nothing), so nothing is read on the host and the step can be
+replayed as a CUDA graph. Each token's arithmetic is the same in both routes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from .program import Step
 
 
-def bind_attention(node: Node) -> Callable[[Step], None]:
+def bind_attention(node: Node, decode_only: bool) -> Callable[[Step], None]:
+    """decode_only (Paging.decode): one paged decode launch over every token, nothing read on the host."""
     q_name, k_name, v_name, pos_name, kp_key, vp_key, seq_name, tab_name = (r.name for r in node.inputs)
     a = node.attrs
     scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
@@ -44,6 +47,10 @@ def bind_attention(node: Node) -> Callable[[Step], None]:
         seqs, tables = s.env[seq_name], s.env[tab_name]
         kp, vp = s.state[kp_key], s.state[vp_key]
         write_paged_kv(k, v, kp, vp, pos, seqs, tables)
+        if decode_only:
+            out = paged_decode_attention(q, kp, vp, pos, seqs, tables, scale=scale, window=window, softcap=softcap)
+            s.env[out_name] = out.reshape(shape)
+            return
         key = ("paged", seq_name, window, kp.shape[2])  # every layer of this window shares the step's split
         plan = s.cache.get(key)
         if plan is None:

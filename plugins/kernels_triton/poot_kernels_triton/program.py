@@ -230,8 +230,10 @@ class Binder:
 
     def op_attention(self, node: Node) -> StepFn:
         if node.input(6) is not None:  # a paged step: the caches are pools of blocks
-            self.host_syncs = True  # splits the step into decode tokens and prefill runs on the host
-            return paged_step.bind_attention(node)
+            decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
+            # a mixed step is split into decode tokens and prefill runs on the host
+            self.host_syncs = self.host_syncs or not decode_only
+            return paged_step.bind_attention(node, decode_only)
         q_name, k_name, v_name, pos_name, kc_key, vc_key = (r.name for r in node.inputs)
         a = node.attrs
         scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
@@ -493,8 +495,9 @@ class Binder:
 
 
 class TritonProgram:
-    """Runs the bound steps. A step of one token per row is captured once (per state object) as a CUDA
-    graph whose inputs are copied into fixed device buffers before each replay. With a `tuning`, every
+    """Runs the bound steps. A step of one token per row (or a paged step of decode tokens only) is captured
+    once (per state object) as a CUDA graph whose inputs are copied into one fixed device buffer before each
+    replay. With a `tuning`, every
     launch (eager or captured) uses that target's tiles instead of the ones the device would pick."""
 
     def __init__(
@@ -506,6 +509,11 @@ class TritonProgram:
         self.device = device
         self.use_graph = use_graph
         self.input_names = sorted(graph.inputs)
+        # (input, start, end) of each input in the one flat buffer a captured step's inputs are copied through
+        self._spans: list[tuple[str, int, int]] = []
+        for name in self.input_names:
+            start = self._spans[-1][2] if self._spans else 0
+            self._spans.append((name, start, start + int(np.prod(graph.inputs[name].shape))))
         self._cuda_graph: torch.cuda.CUDAGraph | None = None
         self._graph_state: Any = None
         self._static_in: torch.Tensor | None = None
@@ -547,20 +555,20 @@ class TritonProgram:
     def _load_inputs(self, inputs: dict[str, np.ndarray]) -> None:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer may still be in flight from the last step
-        for i, name in enumerate(self.input_names):
-            self._host_in[i].copy_(torch.from_numpy(np.asarray(inputs[name], dtype=np.int64).reshape(-1)))
+        for name, start, end in self._spans:
+            self._host_in[start:end].copy_(torch.from_numpy(np.asarray(inputs[name], dtype=np.int64).reshape(-1)))
         self._static_in.copy_(self._host_in, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
 
     def _capture(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> None:
-        shape = self.graph.inputs[self.input_names[0]].shape
-        width = int(np.prod(shape))
-        self._static_in = torch.zeros((len(self.input_names), width), dtype=torch.int64, device=self.device)
-        self._host_in = torch.zeros((len(self.input_names), width), dtype=torch.int64).pin_memory()
+        spans = self._spans
+        total = spans[-1][2]
+        self._static_in = torch.zeros(total, dtype=torch.int64, device=self.device)
+        self._host_in = torch.zeros(total, dtype=torch.int64).pin_memory()
         self._load_inputs(inputs)
-        env = {n: self._static_in[i].reshape(self.graph.inputs[n].shape) for i, n in enumerate(self.input_names)}
+        env = {n: self._static_in[a:b].reshape(self.graph.inputs[n].shape) for n, a, b in spans}
         # the first runs compile the kernels and settle the allocator, outside the capture; they write
         # the same K/V the replay will write again, so running them is harmless
         side = torch.cuda.Stream(self.device)

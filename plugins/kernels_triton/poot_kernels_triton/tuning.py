@@ -60,6 +60,10 @@ class Tuning:
     # programs the planes GEMV splits k to reach (each holds whole columns of a step: fewer, larger programs
     # than the dense GEMV's)
     planes_programs: int = 0
+    # dense 16-bit products of at least this many rows go to the vendor's BLAS through torch (cuBLAS,
+    # hipBLASLt), whose kernels choose tiles and split-K by shape; 0: never (the interpreter, targets where it was
+    # not measured). Fewer rows take the GEMV kernel either way.
+    vendor_gemm_rows: int = 0
 
 
 
@@ -132,6 +136,8 @@ _HOPPER = Tuning(
     planes_gemm=Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     planes_table=dict(HOPPER_PLANES),
     planes_programs=528,  # 4 per SM
+    # cuBLAS against the Triton GEMM on the H200, Llama-3-8B projections: see bench/gemm_probe.py
+    vendor_gemm_rows=5,
 )
 
 _AMPERE = Tuning(
