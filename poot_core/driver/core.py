@@ -71,6 +71,7 @@ class DriverOptions:
     step_tokens: int = 256  # token budget of one serving step (decode tokens and prefill chunks)
     max_running: int = 32  # sequences one serving step may hold
     prefix_cache: bool = True
+    draft_max_batch: int = 8  # serving: sequences speculate while at most this many run (0: never)
 
 
 @dataclass
@@ -201,10 +202,6 @@ class Driver:
         if Layout(layout) is Layout.PAGED:
             from poot_core.driver.engine import ServingDriver
 
-            if self._speculation is not None:
-                raise Unsupported(Reason.SHAPE, "speculative decoding in the paged layout",
-                                  "only the contiguous layout speculates so far; serve(Layout.CONTIGUOUS) or "
-                                  "DraftPolicy.OFF")
             if self.recurrent:
                 raise Unsupported(Reason.SHAPE, f"the paged layout for {self.family.name}",
                                   "its recurrent state (convolution windows, SSM states) has no paged form yet; "

@@ -31,6 +31,9 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the first full blocks
     preemptions: int = 0
     reused: int = 0  # prompt tokens found in the prefix cache at the last admission
+    # speculative decoding: tokens proposed to follow `tokens`, run after its last one in the next step (they
+    # are not in `tokens` until the verify step keeps them)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def pending(self) -> int:
@@ -81,7 +84,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         for block in seq.blocks:
             self.pool.release(block)
-        seq.blocks, seq.keys, seq.computed = [], [], 0
+        seq.blocks, seq.keys, seq.computed, seq.draft = [], [], 0, []
 
     # --- one step -------------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -91,9 +94,11 @@ class Scheduler:
         for seq in list(self.running):  # decode first
             if budget == 0:
                 break
-            if seq in self.running and seq.pending == 1 and self._reserve(seq, seq.computed + 1, chosen):
-                chosen[seq] = 1
-                budget -= 1
+            n = min(1 + len(seq.draft), budget)  # with its draft, if any: as much of it as the budget holds
+            if seq in self.running and seq.pending == 1 and self._reserve(seq, seq.computed + n, chosen):
+                chosen[seq] = n
+                del seq.draft[n - 1 :]
+                budget -= n
         for seq in list(self.running):  # then the prefill chunks of running sequences
             budget = self.limits.step_tokens - sum(chosen.values())
             if budget == 0:
@@ -173,6 +178,13 @@ class Scheduler:
         if count:
             seq.keys = keys
         return found
+
+    def verified(self, seq: Sequence, kept: int) -> None:
+        """After a verify step that kept `kept` of the sequence's run (its last token and the drafts kept): those
+        are computed; blocks reserved only for rejected drafts go back (their positions are written over later)."""
+        self.advance([(seq, kept)])
+        while len(seq.blocks) > self.pool.blocks_for(seq.computed + 1):
+            self.pool.release(seq.blocks.pop())
 
     def advance(self, ran: Iterable[tuple[Sequence, int]]) -> None:
         """After the step: the tokens ran are computed; blocks that became full are made findable."""

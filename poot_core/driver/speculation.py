@@ -207,12 +207,15 @@ class DraftModelProposer:
     """A draft model on its own Driver: it catches up with the accepted history (its cache keeps the longest
     prefix it shares), then decodes k tokens, greedily or drawing from its own sampler distribution."""
 
-    def __init__(self, policy: DraftModel, target: Driver) -> None:
+    def __init__(self, policy: DraftModel, target: Driver, driver: Driver | None = None) -> None:
+        """driver: a draft model's Driver to share (the serving engine's sequences share one), else a new one."""
         from poot_core.driver.core import Driver, DriverOptions
 
-        options = DriverOptions(capacity=target.options.capacity, prefill_chunk=target.options.prefill_chunk,
-                                max_programs=target.options.max_programs)
-        self.driver = Driver(policy.handle, policy.executor or target.executor, options).serve()
+        if driver is None:
+            options = DriverOptions(capacity=target.options.capacity, prefill_chunk=target.options.prefill_chunk,
+                                    max_programs=target.options.max_programs)
+            driver = Driver(policy.handle, policy.executor or target.executor, options).serve()
+        self.driver = driver
         self._prompt_len = 0
 
     def begin(self, prompt: list[int]) -> None:
@@ -383,11 +386,13 @@ class Speculation:
 
     Sampled requests keep their lengths a function of the tokens alone, so that a seed gives the same tokens
     on every run (the number of random draws follows the proposals): Hugging Face's heuristic schedule, 2
-    more after a proposal kept whole, else one past what was kept."""
+    more after a proposal kept whole, else one past what was kept. `scheduled` takes that schedule for greedy
+    requests too (the serving engine, where a step's cost is shared by many sequences)."""
 
     proposer: Proposer
     k: int
     min_k: int
+    scheduled: bool = False
     kept_tokens: float = 3.0  # decayed counts; the prior a = 0.75
     rejected: float = 1.0
     steps: dict[int, float] = field(default_factory=dict)  # target step width -> seconds (moving average)
@@ -437,7 +442,7 @@ class Speculation:
 
     def propose(self, history: list[int], room: int, sampler: Sampler) -> Proposal | None:
         """A proposal of at most `room` tokens, or None where a plain decode step is better."""
-        k = self.length() if sampler.temperature == 0.0 else self.schedule
+        k = self.length() if sampler.temperature == 0.0 and not self.scheduled else self.schedule
         if k == 0 and self.idle + 1 >= self.PROBE_EVERY:
             k = 1
         k = min(max(k, self.min_k) if k else 0, room)

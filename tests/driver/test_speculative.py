@@ -338,12 +338,3 @@ def test_the_proposal_length_follows_measured_cost_and_acceptance():
     assert spec.length() == 0
     fixed = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=4, min_k=4)
     assert fixed.length() == 4  # min_k = k: always k
-
-
-def test_the_paged_layout_refuses_a_draft_policy(checkpoint):
-    from poot_core import Layout, Unsupported
-
-    handle = ModelHandle.load(checkpoint("llama"))
-    driver = Driver(handle, open_executor("cpu"), DriverOptions(**OPTIONS, draft=DraftPolicy.PromptLookup()))
-    with pytest.raises(Unsupported, match="paged"):
-        driver.serve(Layout.PAGED)
