@@ -25,6 +25,7 @@ from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
+from poot_core.driver.speculative_engine import engine_speculation
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
 from poot_core.executor import Output, Program, device_greedy_rows
@@ -85,6 +86,9 @@ class _Request:
     pieces: list[str] = field(default_factory=list)
     first_token: float = 0.0
     logprobs: list[TokenLogprobs] | None = None
+    proposed: int = 0  # speculative decoding: draft tokens verified, kept, and the runs that verified them
+    accepted: int = 0
+    verify_steps: int = 0
 
 
 def _buckets(limit: int) -> list[int]:
@@ -123,6 +127,7 @@ class ServingDriver:
         self.keep_logits = False  # tests: keep the logits each sampled token came from, per request
         self.logits: dict[int, list[np.ndarray]] = {}
         self.steps = 0
+        self.speculation = engine_speculation(self)  # None without a draft policy (speculative_engine.py)
         self._greedy_rows = device_greedy_rows(executor)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
@@ -195,6 +200,8 @@ class ServingDriver:
         if request.logprobs is not None:
             req.logprobs = []
         self._requests[rid] = req
+        if self.speculation is not None:
+            self.speculation.begin(req)
         if self.keep_logits:
             self.logits[rid] = []
         if limit == 0:
@@ -228,11 +235,15 @@ class ServingDriver:
         return events + self._step()
 
     def _step(self) -> list[Event]:
+        if self.speculation is not None:
+            self.speculation.propose()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting:
                 raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
             return []
+        if self.speculation is not None and any(seq.draft for seq, _ in batch):
+            return self.speculation.verify(batch)  # some sequences run their drafts: every position's logits
         n = sum(count for _, count in batch)
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
@@ -265,7 +276,7 @@ class ServingDriver:
         logit_index = np.zeros(paging.seqs, dtype=np.int64)
         t = 0
         for slot, (seq, count) in enumerate(batch):
-            tokens[0, t : t + count] = seq.tokens[seq.computed : seq.computed + count]
+            tokens[0, t : t + count] = (seq.tokens[seq.computed :] + seq.draft)[:count]
             positions[0, t : t + count] = np.arange(seq.computed, seq.computed + count)
             seq_index[t : t + count] = slot
             tables[slot, : len(seq.blocks)] = seq.blocks
@@ -350,6 +361,8 @@ class ServingDriver:
                 if req.on_token:
                     req.on_token(-1, tail)
         self.scheduler.remove(req.seq)
+        if self.speculation is not None:
+            self.speculation.end(req.seq.id)
         del self._requests[req.seq.id]
         now = time.perf_counter()
         first = req.first_token or now
@@ -357,6 +370,7 @@ class ServingDriver:
         timings = Timings(prefill_tokens=req.prompt_len - req.seq.reused, prefill_seconds=first - req.submitted,
                           decode_tokens=max(count - 1, 0), decode_seconds=now - first if count else 0.0,
                           reused_tokens=req.seq.reused)
+        timings.proposed, timings.accepted, timings.verify_steps = req.proposed, req.accepted, req.verify_steps
         generation = Generation(list(req.generated), "".join(req.pieces), reason, timings,
                                 None if req.logprobs is None else list(req.logprobs))
         tpot = (now - first) / (count - 1) if count > 1 else 0.0
