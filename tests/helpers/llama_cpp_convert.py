@@ -3,6 +3,8 @@ one process, with its own gguf-py first on the path.
 
     python tests/helpers/llama_cpp_convert.py CONVERTER_DIR JOBS_JSON     (JOBS_JSON: [{"src", "outtype", "out"}, ...])
 
+A job's optional "args" are more of the converter's own flags (a vision model's mmproj file: "--mmproj").
+
 One change to the converter, and only one: the tiny test checkpoints' tokenizer is trained on the spot, so
 its hash is in none of the converter's tables of known pre-tokenizers (it refuses unknown ones). That
 tokenizer is a byte-level BPE with GPT-2's split pattern, so it is written as what it is, pre-tokenizer
@@ -25,7 +27,8 @@ def main() -> int:
     import convert_hf_to_gguf  # type: ignore[import-not-found]
 
     for job in jobs:
-        sys.argv = ["convert_hf_to_gguf.py", job["src"], "--outtype", job["outtype"], "--outfile", job["out"]]
+        sys.argv = ["convert_hf_to_gguf.py", job["src"], "--outtype", job["outtype"], "--outfile", job["out"],
+                    *job.get("args", [])]
         convert_hf_to_gguf.main()
     return 0
 
