@@ -18,7 +18,9 @@ DEFAULT_PROMPT = "Describe this image."
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="describe an image with a vision-language model")
     p.add_argument("-m", "--model", required=True,
-                   help="a vision-language checkpoint directory (SmolVLM, Idefics3; required)")
+                   help="a vision-language checkpoint directory (SmolVLM, Idefics3, Gemma 3), or with --mmproj "
+                        "llama.cpp's text GGUF (required)")
+    p.add_argument("--mmproj", default=None, help="llama.cpp's vision GGUF beside the text GGUF -m (Gemma 3)")
     p.add_argument("image", help="the image: a file path or a data: URL")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="what to ask about the image")
     p.add_argument("-n", "--n-predict", dest="n", type=int, default=64, help="tokens to generate at most")
@@ -37,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise Unsupported(Reason.REGISTRY, "images", "install poot-family-vision to caption images") from exc
     executor = open_executor(BACKEND_NAMES.get(args.backend, args.backend))
     handle = ModelHandle.load(args.model)
-    model = VisionLanguageModel(handle, executor)  # a text-only model: RequestError, before the image is read
+    # a text-only model: RequestError, before the image is read
+    model = VisionLanguageModel(handle, executor, mmproj=args.mmproj)
     messages = [{"role": "user", "content": [{"type": "image", "image": args.image},
                                              {"type": "text", "text": args.prompt}]}]
     _, text = model.chat(messages, max_new=args.n)

@@ -86,3 +86,20 @@ def test_a_text_file_as_mmproj_is_refused(pair):
     text, _, _, _, _, _ = pair
     with pytest.raises(Unsupported, match="mmproj"):
         VisionLanguageModel.load(text, mmproj=text)
+
+
+def test_caption_from_the_pair(pair, tmp_path, capsys):
+    from poot_core.cli.main import main
+
+    text, mmproj, model, processor, _, _ = pair
+    image = tmp_path / "wide.png"
+    IMAGES[1].save(image)
+    args = ["caption", "-m", str(text), "--mmproj", str(mmproj), str(image), "-p", "What is this?", "-n", "5"]
+    assert main(args) == 0
+    reply = capsys.readouterr().out
+    plain = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    ref = processor(text=processor.apply_chat_template(plain, add_generation_prompt=True), images=[[IMAGES[1]]],
+                    return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ref, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=5)
+    expected = processor.tokenizer.decode(out[0, ref["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert expected.strip() and reply == expected.strip() + "\n"
