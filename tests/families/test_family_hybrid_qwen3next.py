@@ -27,6 +27,7 @@ from poot_core import (
     GenerateRequest,
     Layout,
     ModelHandle,
+    PackedWeight,
     Reason,
     StepShape,
     Unsupported,
@@ -146,27 +147,28 @@ def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp
 
 
 @pytest.fixture(scope="module")
-def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint with an MTP block
-    (as the hub's checkpoints have; the converter writes it as block 4 and nextn_predict_layers 1)."""
+def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """outtype -> the GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint with an MTP
+    block (as the hub's checkpoints have; the converter writes it as block 4 and nextn_predict_layers 1)."""
     from helpers.hybrid import with_mtp_block
 
     fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
-    out = root / "qwen3next.gguf"
     source = with_mtp_block(hybrid_checkpoint("qwen3next"), root / "with_mtp")
-    (root / "jobs.json").write_text(json.dumps([{"src": str(source), "outtype": "f32", "out": str(out)}]))
+    made = {kind: root / f"qwen3next-{kind}.gguf" for kind in ("f32", "q8_0")}
+    jobs = [{"src": str(source), "outtype": kind, "out": str(out)} for kind, out in made.items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    return out
+    return made
 
 
 def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_checkpoint):
     """The f32 file (qwen3next: attn_qkv/attn_gate, ssm_a = -exp(A_log), norms stored as 1 + w, stacked
     experts, the MTP block not read): logits of a chunked prefill against transformers on the original
     checkpoint, and greedy tokens against transformers' generate."""
-    handle = ModelHandle.load(converted)
+    handle = ModelHandle.load(converted["f32"])
     config = handle.config()
     assert config.source_format == "gguf" and config.architecture == "qwen3next"
     assert config.raw["qwen3next.block_count"] == 5 and config.raw["qwen3next.nextn_predict_layers"] == 1
@@ -180,6 +182,23 @@ def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_ch
     out = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert ours == out[0, len(prompt):].tolist()
+
+
+def test_quantized_file_computes_its_dequantized_weights(converted, tmp_path):
+    """The converter's Q8_0 file (attn_qkv, attn_gate, ssm_ba, attention and stacked experts in Q8_0, the shared
+    expert's down in F16) gives the logits of the same file with every tensor dequantized by the gguf package
+    (whose float path is held to transformers above). Against transformers itself a tiny random model's logits
+    move too far under 8-bit weights for a bound to say anything."""
+    from helpers.hybrid import dequantized_copy
+
+    store = ModelHandle.load(converted["q8_0"]).store()
+    for name in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_ba", "mlp.experts.gate_exps"):
+        assert isinstance(store.get(f"model.layers.0.{name}.weight"), PackedWeight), name
+    plain = dequantized_copy(converted["q8_0"], tmp_path / "dequantized.gguf")
+    logits = {}
+    for name, path in (("q8_0", converted["q8_0"]), ("plain", plain)):
+        logits[name] = driver(path).logits(PROMPT)
+    assert np.abs(logits["q8_0"] - logits["plain"]).max() <= 1e-5 * np.abs(logits["plain"]).max()
 
 
 def delta_reference(q, k, v, a, b, a_log, dt_bias, state, eps=1e-6):

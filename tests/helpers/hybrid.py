@@ -94,6 +94,29 @@ def with_mtp_block(path: Path, copy: Path, seed: int = 1) -> Path:
     return copy
 
 
+def dequantized_copy(source: Path, target: Path) -> Path:
+    """The GGUF file `source` with every tensor dequantized to float32 by the gguf package, metadata as it is."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from helpers.gguf_edit import finish_gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":  # the writer's own
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape(tuple(reversed(tensor.shape.tolist()))))
+    finish_gguf(writer)
+    return target
+
+
 def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
