@@ -167,3 +167,24 @@ def test_pan_and_scan_is_refused(checkpoint, tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config | {"do_pan_and_scan": True}))
     with pytest.raises(Unsupported, match="pan and scan"):
         VisionLanguageModel.load(tmp_path)
+
+
+def test_released_config_reads_as_transformers_fills_it():
+    """A released config.json (gemma-3-4b-it's shape) leaves most keys to transformers' defaults: read bare, it
+    gives the parameters of the config transformers completes."""
+    import transformers as tf
+    from poot_family_vision.gemma3 import gemma3_config
+
+    released = {"boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+                "image_token_index": 262144, "mm_tokens_per_image": 256,
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                "sliding_window": 1024},
+                "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                  "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                  "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    bare = gemma3_config("gemma3-vision", {"architectures": ["Gemma3ForConditionalGeneration"], **released})
+    full = gemma3_config("gemma3-vision", tf.Gemma3Config(**released).to_dict())
+    assert bare.params == full.params
+    assert (bare.vocab_size, bare.max_positions) == (full.vocab_size, full.max_positions)
+    assert bare.params.vision.tokens_per_image == 256 and bare.params.text.layer_window[5] is None

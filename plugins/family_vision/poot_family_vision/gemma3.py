@@ -43,10 +43,21 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 PROJECTION = "multi_modal_projector.input_projection.weight"  # derived [Dt, Dv]: the stored matrix transposed
 # transformers' Gemma3Config defaults
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN, TOKENS_PER_IMAGE = 262_144, 255_999, 256_000, 256
+# transformers' Gemma3TextConfig and SiglipVisionConfig defaults: released config.json files leave them out
+TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                 "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                 "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True}
+ROPE_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}  # global and sliding layers
+VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                   "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
 
 
 def gemma3_config(family: str, hf: dict[str, Any]) -> ModelConfig:
-    tc, vc = require_key(hf, "text_config", "config.json"), require_key(hf, "vision_config", "config.json")
+    tc = TEXT_DEFAULTS | dict(require_key(hf, "text_config", "config.json"))
+    if "rope_parameters" not in tc:
+        tc = ROPE_DEFAULTS | tc
+    vc = VISION_DEFAULTS | dict(require_key(hf, "vision_config", "config.json"))
     text_type = str(tc.get("model_type", "gemma3_text"))
     if text_type != "gemma3_text":
         raise Unsupported(Reason.REGISTRY, f"{family} with a {text_type} text model", "Gemma 3 reads gemma3_text")

@@ -1,8 +1,10 @@
 """Running a vision-language checkpoint: the vision step once per request's images, then the text model's
 prefill with the features spliced in at the image tokens, then plain decode steps over the same KV state.
 
-This runs on an executor directly (one sequence, contiguous KV); the driver's text-only paths serve the same
-checkpoint without images.
+This runs on an executor directly (one sequence, contiguous KV; the prompt is prefilled in one step, so an
+image's tokens, which attend to each other both ways in Gemma 3, are never split); the driver's text-only paths
+serve the same checkpoint without images. A checkpoint is a Hugging Face directory, or llama.cpp's text GGUF
+with its mmproj GGUF (Gemma 3; poot_family_vision.mmproj).
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class VisionLanguageModel:
         return self.executor.prepare(t.graph, self.weights), t.graph
 
     # --- images ---------------------------------------------------------------------------------------
-    def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[Any]]:
         """float32 [frames, 3, S, S] of all the images in order, as transformers' processor computes them, and
-        each image's (rows, cols) of tiles."""
+        each image's layout (Idefics3: its (rows, cols) of tiles; Gemma 3: None)."""
         done = [self.kind.frames(load_image(i)) for i in images]  # type: ignore[arg-type]
         return np.concatenate([np.stack(f) for f, _ in done]), [g for _, g in done]
 
