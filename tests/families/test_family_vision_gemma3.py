@@ -15,7 +15,7 @@ from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import gemma3_vision as g3
 from helpers import tiny, vision
-from poot_core import Driver, DriverOptions, ModelHandle, Unsupported, open_executor
+from poot_core import Driver, DriverOptions, ModelHandle, open_executor
 
 # wide, tall, square, larger than the tower in both ways, very tall and narrow
 IMAGES = [*vision.IMAGES, vision.image(64, 64, 3), vision.image(300, 180, 4), vision.image(33, 200, 5)]
@@ -159,14 +159,43 @@ def test_caption_matches_transformers(chat_checkpoint, tmp_path, capsys):
     assert expected.strip() and reply == expected.strip() + "\n"
 
 
-def test_pan_and_scan_is_refused(checkpoint, tmp_path):
-    path, _ = checkpoint
-    for f in path.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config | {"do_pan_and_scan": True}))
-    with pytest.raises(Unsupported, match="pan and scan"):
-        VisionLanguageModel.load(tmp_path)
+def test_pan_and_scan_as_the_processor_does_it(chat_checkpoint, checkpoint):
+    """Off by default, as in Gemma3Processor, even where preprocessor_config.json turns it on (the processor's
+    own default wins there); asked for, the crops of wide and tall images (4 and 2 here, none for the small
+    one) as Gemma3Processor(do_pan_and_scan=True) makes them: pixels, prompt ids and the greedy reply."""
+    path, model, processor = chat_checkpoint
+    wide, tall, small = vision.image(1100, 300, 6), vision.image(280, 700, 7), IMAGES[0]
+    vlm = VisionLanguageModel.load(path, pan_and_scan=True)
+    messages = [{"role": "user", "content": [{"type": "image", "image": wide}, {"type": "text", "text": "Compare."},
+                                             {"type": "image", "image": tall}, {"type": "image", "image": small}]}]
+    tokens, images = vlm.chat_prompt(messages)
+    plain = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare."},
+                                          {"type": "image"}, {"type": "image"}]}]
+    ref = processor(text=processor.apply_chat_template(plain, add_generation_prompt=True),
+                    images=[[wide, tall, small]], return_tensors="pt", add_special_tokens=False, do_pan_and_scan=True)
+    assert ref["pixel_values"].shape[0] == 3 + 4 + 2
+    assert tokens == ref["input_ids"][0].tolist()
+    assert np.array_equal(vlm.pixel_values(images), ref["pixel_values"].numpy())
+    ids, _ = vlm.chat(messages, max_new=4)
+    out = model.generate(**ref, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         min_new_tokens=4)
+    assert ids == out[0, ref["input_ids"].shape[1]:].tolist()
+    # a preprocessor_config.json that says do_pan_and_scan does not turn it on, for the processor or for poot
+    import transformers as tf
+
+    on = tf.Gemma3ImageProcessorPil(size={"height": g3.IMAGE_SIZE, "width": g3.IMAGE_SIZE}, do_pan_and_scan=True,
+                                    pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4,
+                                    pan_and_scan_min_ratio_to_activate=1.2)
+    assert on(images=[wide], return_tensors="pt")["pixel_values"].shape[0] == 5  # the image processor alone pans
+    over = tf.Gemma3Processor(image_processor=on, tokenizer=processor.tokenizer, image_seq_length=g3.TOKENS_PER_IMAGE)
+    assert over(text="<start_of_image>", images=[[wide]], return_tensors="pt")["pixel_values"].shape[0] == 1
+    base, _ = checkpoint
+    config = json.loads((base / "preprocessor_config.json").read_text())
+    (base / "preprocessor_config.json").write_text(json.dumps(config | {"do_pan_and_scan": True}))
+    try:
+        assert VisionLanguageModel.load(base).pixel_values([wide]).shape[0] == 1
+    finally:
+        (base / "preprocessor_config.json").write_text(json.dumps(config))
 
 
 def test_released_config_reads_as_transformers_fills_it():

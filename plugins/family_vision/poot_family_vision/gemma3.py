@@ -128,6 +128,11 @@ def image_groups(tokens: list[int], image_token_id: int) -> np.ndarray:
     return np.where(is_image, np.cumsum(starts) - 1, -1).astype(np.int64)[None, :]
 
 
-def image_text(boi: str, soft: str, eoi: str, tokens: int) -> str:
-    """Gemma3Processor's full_image_sequence: what replaces each start-of-image token the template wrote."""
-    return f"\n\n{boi}{soft * tokens}{eoi}\n\n"
+def image_text(boi: str, soft: str, eoi: str, tokens: int, crops: int = 0) -> str:
+    """Gemma3Processor's replacement of each start-of-image token the template wrote: the full image sequence,
+    and with pan-and-scan crops, one more for each crop after a sentence that says so."""
+    full = f"\n\n{boi}{soft * tokens}{eoi}\n\n"
+    if not crops:
+        return full
+    return (f"Here is the original image {full} and here are some crops to help you see better "
+            + " ".join([full] * crops))

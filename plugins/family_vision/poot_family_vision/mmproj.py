@@ -68,7 +68,8 @@ def _value(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def open_pair(handle: ModelHandle, mmproj: str | Path) -> tuple[ModelConfig, WeightStore, Gemma3Images]:
+def open_pair(handle: ModelHandle, mmproj: str | Path,
+              pan_and_scan: bool = False) -> tuple[ModelConfig, WeightStore, Gemma3Images]:
     """The config, weights and image input of the text GGUF `handle` with the mmproj file beside it."""
     path = Path(mmproj)
     try:
@@ -108,4 +109,4 @@ def open_pair(handle: ModelHandle, mmproj: str | Path) -> tuple[ModelConfig, Wei
     settings = SquareSettings(height=vision.image_size, width=vision.image_size,
                               mean=tuple(_value(reader, "clip.vision.image_mean", (0.5,) * 3)),
                               std=tuple(_value(reader, "clip.vision.image_std", (0.5,) * 3)))
-    return replace(text, params=params), store, Gemma3Images(handle, params, settings)
+    return replace(text, params=params), store, Gemma3Images(handle, params, settings, pan_and_scan)

@@ -7,9 +7,10 @@ that into max_image_size tiles, row by row, followed by the whole image resized 
 image); without splitting, or when the image fits one tile, the square alone. Each frame is rescaled by 1/255
 and normalized by mean and std.
 
-Gemma 3: one resize to size.height x size.width (bilinear unless `resample` says otherwise), rescale, normalize.
-Pan and scan (extra crops of very wide or tall images) is off in Gemma3Processor by default and not done here:
-a preprocessor_config.json that turns it on is refused."""
+Gemma 3: one resize to size.height x size.width (bilinear unless `resample` says otherwise), rescale, normalize;
+pan and scan (crops of very wide or tall images after the whole one) only when asked, with Gemma3Processor's
+crop settings, as a call to that processor with do_pan_and_scan=True does (it is off by default, whatever
+preprocessor_config.json says)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class ImageSettings:
 
 @dataclass(frozen=True)
 class SquareSettings:
-    """Gemma 3's image processor: every image resized to height x width."""
+    """Gemma 3's image processor: every image resized to height x width; with pan and scan, a very wide or tall
+    image also gives crops side by side (each resized the same), after the whole image."""
 
     height: int
     width: int
@@ -63,14 +65,17 @@ class SquareSettings:
     rescale: float = 1 / 255
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # Gemma3Processor's pan-and-scan settings: off unless a call asks, and its own crop settings then (a call
+    # to the processor overrides what preprocessor_config.json says with these defaults)
+    pan_and_scan: bool = False
+    min_crop: int = 256
+    max_crops: int = 4
+    min_ratio: float = 1.2
 
     @classmethod
     def from_dir(cls, path: str | Path, image_size: int) -> SquareSettings:
         file = Path(path) / "preprocessor_config.json"
         raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
-        if raw.get("do_pan_and_scan"):
-            raise Unsupported(Reason.OPERATION, "pan and scan", "Gemma 3's crops of wide images are not done; "
-                              "set do_pan_and_scan to false (Gemma3Processor's default)")
         for key in ("do_resize", "do_rescale", "do_normalize"):
             if raw.get(key) is False:
                 raise Unsupported(Reason.OPERATION, f"{key} false", "images are always resized, rescaled, normalized")
@@ -83,10 +88,31 @@ class SquareSettings:
                    std=tuple(raw.get("image_std", (0.5,) * 3)))
 
 
-def square_frame(image: Image.Image, settings: SquareSettings) -> np.ndarray:
-    """float32 [3, height, width]: Gemma 3's pixel values of one image."""
-    resized = image.resize((settings.width, settings.height), Image.Resampling(settings.resample))
-    return normalized(resized, settings)
+def _crop_count(long: int, short: int, s: SquareSettings) -> int:
+    """Crops along the long edge: near the aspect ratio, none narrower than min_crop, 2 to max_crops."""
+    return min(s.max_crops, max(2, min(math.floor(long / s.min_crop), math.floor(long / short + 0.5))))
+
+
+def pan_and_scan(image: Image.Image, s: SquareSettings) -> list[Image.Image]:
+    """Gemma3ImageProcessor.pan_and_scan: the crops of an image whose aspect ratio reaches min_ratio, side by
+    side along its long edge (none for other images)."""
+    width, height = image.size
+    if max(width, height) / min(width, height) < s.min_ratio:
+        return []
+    across, down = (_crop_count(width, height, s), 1) if width >= height else (1, _crop_count(height, width, s))
+    crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+    if min(crop_w, crop_h) < s.min_crop:
+        return []
+    array = np.asarray(image)  # numpy slicing, as the processor crops: the last crop may be narrower
+    return [Image.fromarray(array[r * crop_h : (r + 1) * crop_h, c * crop_w : (c + 1) * crop_w])
+            for r in range(down) for c in range(across)]
+
+
+def square_frames(image: Image.Image, settings: SquareSettings) -> list[np.ndarray]:
+    """float32 [3, height, width] each: Gemma 3's pixel values of one image, then of its crops."""
+    crops = pan_and_scan(image, settings) if settings.pan_and_scan else []
+    return [normalized(i.resize((settings.width, settings.height), Image.Resampling(settings.resample)), settings)
+            for i in [image, *crops]]
 
 
 def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:

@@ -27,13 +27,14 @@ from poot_family_vision.preprocess import load_image, patches
 
 class VisionLanguageModel:
     def __init__(self, handle: ModelHandle, executor: Executor | str = "cpu", capacity: int = 512,
-                 mmproj: str | Path | None = None) -> None:
-        """`handle` a vision-language checkpoint, or with `mmproj` (llama.cpp's vision GGUF) its text GGUF."""
+                 mmproj: str | Path | None = None, pan_and_scan: bool = False) -> None:
+        """`handle` a vision-language checkpoint, or with `mmproj` (llama.cpp's vision GGUF) its text GGUF.
+        pan_and_scan: Gemma 3's crops of very wide or tall images, as Gemma3Processor(do_pan_and_scan=True)."""
         self.handle = handle
         if mmproj is not None:
             from poot_family_vision.mmproj import open_pair
 
-            self.config, store, self.kind = open_pair(handle, mmproj)
+            self.config, store, self.kind = open_pair(handle, mmproj, pan_and_scan)
         else:
             self.config, store = handle.config(), handle.store()
         if not isinstance(self.config.params, VisionLanguageParams):
@@ -44,12 +45,12 @@ class VisionLanguageModel:
         self.weights = self.executor.upload(store)
         self._shapes = store.shapes()
         if mmproj is None:
-            self.kind = images_of(handle, self.params)
+            self.kind = images_of(handle, self.params, pan_and_scan)
 
     @classmethod
     def load(cls, path: str | Path, executor: Executor | str = "cpu", capacity: int = 512,
-             mmproj: str | Path | None = None) -> VisionLanguageModel:
-        return cls(ModelHandle.load(path), executor, capacity, mmproj)
+             mmproj: str | Path | None = None, pan_and_scan: bool = False) -> VisionLanguageModel:
+        return cls(ModelHandle.load(path), executor, capacity, mmproj, pan_and_scan)
 
     def _program(self, shape: StepShape, trace) -> tuple[object, object]:
         t = Tracer(shape, self._shapes)
