@@ -28,6 +28,17 @@
 #define POOT_ROUNDED(v) do { volatile __typeof__(v) poot_t_ = (v); (v) = poot_t_; } while (0)
 #endif
 
+/* One case of a switch over block types: calls fn(T, rows, ...) with rows = m (1 to 4; more counts as 4) as a
+   constant, so that each pair of type and row count is its own inlined expansion of fn, then returns. */
+#define POOT_CASE_ROWS(T, m, fn, ...)                                                   \
+    case T:                                                                              \
+        switch (m) {                                                                     \
+        case 1: fn(T, 1, __VA_ARGS__); return;                                           \
+        case 2: fn(T, 2, __VA_ARGS__); return;                                           \
+        case 3: fn(T, 3, __VA_ARGS__); return;                                           \
+        default: fn(T, 4, __VA_ARGS__); return;                                          \
+        }
+
 /* The IEEE half at p (2 bytes, any alignment) as a float. */
 static inline float f16(const uint8_t *p) {
     uint16_t h; memcpy(&h, p, 2);

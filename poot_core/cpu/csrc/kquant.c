@@ -226,14 +226,7 @@ static inline __attribute__((always_inline)) void rowsk256(const int type, const
     for (int r = 0; r < m; r++) y[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - macc[r];
 }
 
-#define POOT_ROWSK(T)                                                                    \
-    case T:                                                                              \
-        switch (m) {                                                                     \
-        case 1: rowsk256(T, 1, row, nb, x, xsum32, y, n); return;                        \
-        case 2: rowsk256(T, 2, row, nb, x, xsum32, y, n); return;                        \
-        case 3: rowsk256(T, 3, row, nb, x, xsum32, y, n); return;                        \
-        default: rowsk256(T, 4, row, nb, x, xsum32, y, n); return;                       \
-        }
+#define POOT_ROWSK(T) POOT_CASE_ROWS(T, m, rowsk256, row, nb, x, xsum32, y, n)
 
 static void rows_dotk(int type, int m, const uint8_t *row, int64_t nb, const float *x, const float *xsum32,
                       float *y, int64_t n) {

@@ -175,14 +175,7 @@ static inline __attribute__((always_inline)) void rows256(const int type, const 
     for (int r = 0; r < m; r++) y[r * n] = hsum8(acc[r]) + macc[r];
 }
 
-#define POOT_ROWS256(T)                                                                  \
-    case T:                                                                              \
-        switch (m) {                                                                     \
-        case 1: rows256(T, 1, row, nb, x, xsum, y, n); return;                           \
-        case 2: rows256(T, 2, row, nb, x, xsum, y, n); return;                           \
-        case 3: rows256(T, 3, row, nb, x, xsum, y, n); return;                           \
-        default: rows256(T, 4, row, nb, x, xsum, y, n); return;                          \
-        }
+#define POOT_ROWS256(T) POOT_CASE_ROWS(T, m, rows256, row, nb, x, xsum, y, n)
 
 static void rows_dot256(int type, int m, const uint8_t *row, int64_t nb, const float *x, const float *xsum,
                         float *y, int64_t n) {
