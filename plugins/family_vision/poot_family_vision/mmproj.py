@@ -98,7 +98,8 @@ def open_pair(handle: ModelHandle, mmproj: str | Path,
     params = VisionLanguageParams(text=text.params, vision=vision, image_token_id=ids[1], kind="gemma3",
                                   text_prefixes=("model.",), boi_token_id=ids[0], eoi_token_id=ids[2],
                                   soft_norm_offset=0.0)
-    store = handle.store()
+    text_weights = handle.store()  # the handle's own store stays the text model's: the pair's is a new one
+    store = WeightStore({n: (lambda n=n: text_weights.get(n)) for n in text_weights.names()}, text_weights.shapes())
     for t in reader.tensors:
         name = _name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
