@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -119,6 +120,33 @@ def step_programs(family: Any, config: Any, executor: Any, weights: Any, shapes:
         return executor.prepare(tracer.graph, weights), tracer.graph
 
     return program
+
+
+def greedy(executor: Any, out: Any) -> int:
+    """The id of the largest logit of the last position of `out`: on the device where the executor can."""
+    if hasattr(executor, "greedy_token"):
+        return int(executor.greedy_token(out))
+    return int(np.asarray(executor.to_numpy(out)).reshape(-1, out.shape[-1])[-1].argmax())
+
+
+def greedy_generate(executor: Any, pre: Any, dec: Any, state: Any, ids: np.ndarray, new: int,
+                    sync: Any = lambda: None) -> tuple[float, float, list[int]]:
+    """The prompt `ids` through the prepared program `pre`, then `new - 1` greedy steps of one token through
+    `dec`: the seconds of the prefill and of the steps, and the `new` tokens. `sync` waits for the device
+    before each clock read (a step that returns its token to the host has waited already)."""
+    prompt = len(ids)
+    t0 = time.perf_counter()
+    out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
+    token = greedy(executor, out)
+    sync()
+    t1 = time.perf_counter()
+    tokens = [token]
+    for step in range(new - 1):
+        out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
+        token = greedy(executor, out)
+        tokens.append(token)
+    sync()
+    return t1 - t0, time.perf_counter() - t1, tokens
 
 
 def log(*args: Any) -> None:

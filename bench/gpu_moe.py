@@ -124,23 +124,9 @@ def run_model(hf: dict[str, Any], executor: Any, device: str, prompt: int, new: 
     ids = rng.integers(0, hf["vocab_size"], prompt)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def next_token(out: Any) -> int:
-        if hasattr(executor, "greedy_token"):
-            return int(executor.greedy_token(out))
-        return int(np.asarray(executor.to_numpy(out)).reshape(-1, out.shape[-1])[-1].argmax())
-
     def generate() -> tuple[float, list[int]]:
-        out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
-        token = next_token(out)
-        sync()
-        t1 = time.perf_counter()
-        tokens = [token]
-        for step in range(new - 1):
-            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
-            token = next_token(out)
-            tokens.append(token)
-        sync()
-        return time.perf_counter() - t1, tokens
+        _, decode_s, tokens = common.greedy_generate(executor, pre, dec, state, ids, new, sync)
+        return decode_s, tokens
 
     generate()  # compiles kernels, captures the decode graph
     runs = [generate() for _ in range(2)]

@@ -94,16 +94,7 @@ def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidt
     ids = np.random.default_rng(0).integers(0, hf["vocab_size"], prompt)
 
     def generate() -> tuple[float, float, list[int]]:
-        t0 = time.perf_counter()
-        out = pre.run(state, {"tokens": ids[None, :], "positions": np.arange(prompt)[None, :]})[0]
-        token = ex.greedy_token(out)
-        t1 = time.perf_counter()
-        tokens = [token]
-        for step in range(new - 1):
-            out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
-            token = ex.greedy_token(out)
-            tokens.append(token)
-        return t1 - t0, time.perf_counter() - t1, tokens
+        return common.greedy_generate(ex, pre, dec, state, ids, new)
 
     generate()  # compiles and records
     runs = [generate() for _ in range(3)]
