@@ -9,7 +9,7 @@ from .shapes import check
 
 
 def _variant(batch: Batch, name: str, flag: str, enabled: bool):
-    source = shader_source(name) if name.endswith("_wide") else shader_source("reduce", name)
+    source = shader_source("reduce", name)
     if enabled:
         source = source.replace(f"//{flag} ", "")
     return batch.runtime.pipeline(name, source, flag if enabled else "")

@@ -19,17 +19,19 @@ fn load(i: u32) -> f32 {
     return h;
 }
 
-@compute @workgroup_size(64)
+const THREADS: u32 = 64u;
+
+@compute @workgroup_size(THREADS)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let base = wid.x * p.cols;
     var squares = 0.0;
-    for (var k = lid; k < p.cols; k += 64u) {
+    for (var k = lid; k < p.cols; k += THREADS) {
         let h = load(base + k);
         //FUSED h_out[base + k] = h;
         squares += h * h;
     }
     let inv = inverseSqrt(workgroup_sum(squares, lid) / f32(p.cols) + p.eps);
-    for (var k = lid; k < p.cols; k += 64u) {
+    for (var k = lid; k < p.cols; k += THREADS) {
         out[base + k] = load(base + k) * inv * (w[k] + p.offset);
     }
 }

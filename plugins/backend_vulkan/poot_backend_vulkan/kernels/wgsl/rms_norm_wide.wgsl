@@ -1,4 +1,4 @@
-// rms_norm.wgsl for rows of a multiple of 4 values: 256 threads a row and 16-byte loads, so the one row
+// rms_norm.wgsl for rows of a multiple of 4 values: 256 threads a row (THREADS) and 16-byte loads, so the one row
 // of a decode step is read by the whole workgroup at once instead of 64 threads looping. Same FUSED lines.
 struct Params {
     cols: u32,
@@ -13,7 +13,7 @@ struct Params {
 //FUSED @group(0) @binding(4) var<storage, read> residual: array<vec4<f32>>;
 //FUSED @group(0) @binding(5) var<storage, read_write> h_out: array<vec4<f32>>;
 
-var<workgroup> sums: array<f32, 256>;
+const THREADS: u32 = 256u;
 
 fn load(i: u32) -> vec4<f32> {
     var h = x[i];
@@ -21,26 +21,18 @@ fn load(i: u32) -> vec4<f32> {
     return h;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(THREADS)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let words = p.cols / 4u;
     let base = wid.x * words;
     var squares = 0.0;
-    for (var k = lid; k < words; k += 256u) {
+    for (var k = lid; k < words; k += THREADS) {
         let h = load(base + k);
         //FUSED h_out[base + k] = h;
         squares += dot(h, h);
     }
-    sums[lid] = squares;
-    workgroupBarrier();
-    for (var stride = 128u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            sums[lid] += sums[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    let inv = inverseSqrt(sums[0] / f32(p.cols) + p.eps);
-    for (var k = lid; k < words; k += 256u) {
+    let inv = inverseSqrt(workgroup_sum(squares, lid) / f32(p.cols) + p.eps);
+    for (var k = lid; k < words; k += THREADS) {
         out[base + k] = load(base + k) * inv * (w[k] + vec4<f32>(p.offset));
     }
 }
