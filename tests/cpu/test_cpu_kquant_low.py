@@ -61,6 +61,13 @@ def _reference(blocks: np.ndarray, type_name: str) -> np.ndarray:
     return quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
 
 
+def _case(build: str, type_name: str, rows: int, cols: int, seed: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """The library of `build`, the C kernel of the type, random blocks of a rows x cols matrix and their values
+    as gguf dequantizes them."""
+    blocks = blocks_of(type_name, rows, cols, seed=seed)
+    return library(build), pl.C_TYPES[type_name], blocks, _reference(blocks, type_name)
+
+
 def _bound(x: np.ndarray, w: np.ndarray, rel: float) -> np.ndarray:
     """rel times the sum of |x| |w| per output: what float32 sums in some order may be off by."""
     return rel * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T) + 1e-30
@@ -69,10 +76,8 @@ def _bound(x: np.ndarray, w: np.ndarray, rel: float) -> np.ndarray:
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequant_is_bit_exact(type_name: str, build: str) -> None:
-    lib, kernel = library(build), pl.C_TYPES[type_name]
     rows, cols = 37, 5 * 256
-    blocks = blocks_of(type_name, rows, cols, seed=1)
-    ref = _reference(blocks, type_name)
+    lib, kernel, blocks, ref = _case(build, type_name, rows, cols, seed=1)
     for start, count, threads in ((0, rows, 2), (5, 13, 1)):  # a tile starting inside the matrix
         out = np.full((count, cols), np.nan, np.float32)
         lib.poot_dequant_kl(kernel.type_id, blocks[start:].ctypes.data, blocks.shape[1], count, cols // 256,
@@ -83,10 +88,8 @@ def test_dequant_is_bit_exact(type_name: str, build: str) -> None:
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("type_name", TYPES)
 def test_gemv_matches_float64(type_name: str, build: str) -> None:
-    lib, kernel = library(build), pl.C_TYPES[type_name]
     rows, cols = 29, 6 * 256
-    blocks = blocks_of(type_name, rows, cols, seed=2)
-    ref = _reference(blocks, type_name)
+    lib, kernel, blocks, ref = _case(build, type_name, rows, cols, seed=2)
     for m in (1, 2, 3, 4, 5, 9):  # above four, rows are taken four at a time
         x = np.random.default_rng(m).standard_normal((m, cols)).astype(np.float32)
         y = np.full((m, rows), np.nan, np.float32)
