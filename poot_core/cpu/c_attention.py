@@ -28,6 +28,8 @@ from poot_core.cpu.c_kernels import kernels
 MAX_QUERIES = 4
 # attend_blocks keeps a tile of 4 queries' outputs and 64 value rows on the stack: head sizes up to this.
 MAX_HEAD = 256
+# Keys per tile of attend_blocks (KB in csrc/attention.c): a query's keys are read from a multiple of it on.
+KEY_TILE = 64
 
 
 def attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
@@ -91,6 +93,39 @@ def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
                           seqs.data_ptr(), pos.data_ptr(), scale, window or 0, softcap or 0.0, out.data_ptr(),
                           scratch.data_ptr(), longest, threads)
     return out
+
+
+def attend_paged_blocks(q: torch.Tensor, positions: torch.Tensor, runs: list[tuple[int, int, int]],
+                        tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor | None:
+    """The paged layout's prefill chunks: q [N, Hq, D] float32 (token rows may lie apart) of a step whose runs
+    (sequence slot, first token, end token: consecutive positions [N] int64) have their keys and values in
+    their blocks already (pools [blocks, Hkv, B, D], tables [S, M] int64). Each query attends as attend_blocks
+    attends over a contiguous cache of its sequence, reading the rows out of the blocks itself. Returns
+    [N, Hq, D] (rows of other tokens unset), or None where the kernel does not apply."""
+    lib = kernels()
+    tokens, heads, d = q.shape
+    f32 = torch.float32
+    if (lib is None or not runs or any(t.dtype != f32 for t in (q, k_pool, v_pool)) or not k_pool.is_contiguous()
+            or not v_pool.is_contiguous() or v_pool.shape[3] != d or d % 16 != 0 or d > MAX_HEAD
+            or heads % k_pool.shape[1] != 0 or q.stride(2) != 1 or q.stride(1) != d):
+        return None
+    kv_heads, block = k_pool.shape[1], k_pool.shape[2]
+    span = 0  # the most positions one run reads, from its first tile of keys
+    for _, t0, t1 in runs:
+        start, last = int(positions[t0]), int(positions[t1 - 1])
+        first = 0 if window is None else max(0, start - window + 1)
+        span = max(span, last + 1 - (first - first % KEY_TILE))
+    span = -(-span // KEY_TILE) * KEY_TILE
+    threads = torch.get_num_threads()
+    out = torch.empty(tokens, heads, d)
+    scratch = torch.empty(threads, d * (3 * span + KEY_TILE))
+    flat = torch.tensor([v for run in runs for v in run], dtype=torch.int64)
+    status = lib.poot_attend_paged_blocks(q.data_ptr(), q.stride(0), heads, kv_heads, d, k_pool.data_ptr(),
+                                          v_pool.data_ptr(), block, tables.data_ptr(), tables.shape[1],
+                                          flat.data_ptr(), len(runs), positions.data_ptr(), scale, window or 0,
+                                          softcap or 0.0, out.data_ptr(), scratch.data_ptr(), span, threads)
+    return out if status == 0 else None
 
 
 def attend_blocks(q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -40,6 +40,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     # quant32.c: y = x @ W^T and dequantization for the 32-value block types (see packed_linear.CKernel)
     "poot_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_dequant": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
+    "poot_gemv_many": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),  # any number of rows
     # kquant.c: the same for the 256-value K-quant types
     "poot_gemv_k": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_dequant_k": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
@@ -56,6 +57,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                          _p, _i32, _p, _p, _i64, _i32, _p], None),
     "poot_attend_blocks": ([_p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _f32, _i64, _f32, _p, _p,
                             _i32], _i32),
+    "poot_attend_paged_blocks": ([_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _p, _i64, _p, _f32, _i64, _f32,
+                                  _p, _p, _i64, _i32], _i32),
     "poot_attend_paged": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _p, _p, _f32, _i64,
                            _f32, _p, _p, _i64, _i32], None),
     # small_ops.c

@@ -20,7 +20,7 @@ from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
 from poot_core.cpu.packed_linear import few_rows_product
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, check_positions, require_ops
-from poot_core.graph import Graph, Node, Ref, StateRef, ValueRef, WeightRef, passes
+from poot_core.graph import Graph, Node, Ref, StateRef, ValueRef, WeightRef, passes, sequence_runs
 
 DENSE_KINDS = frozenset({"float32", "float16", "bfloat16"})
 LAYOUTS = frozenset({"contiguous", "paged"})  # KV layouts (StepShape.paging: poot_core.cpu.paged)
@@ -73,12 +73,24 @@ class CpuProgram:
     def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[torch.Tensor]:
         check_positions(self.graph, inputs)  # the C kernels index the KV cache by position, unchecked
         env: Env = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in inputs.items()}
+        if self.graph.shape.paging is not None:
+            env[fusion.LONE_ROWS] = _leading_short_runs(inputs["seq_index"])
         with torch.inference_mode():
             for (out, fn), dead in zip(self._steps, self._dead, strict=True):
                 env[out] = fn(env, state)
                 for name in dead:
                     env.pop(name, None)
         return [env[name] for name in self.graph.outputs]
+
+
+def _leading_short_runs(seq_index: np.ndarray) -> int:
+    """How many of a paged step's first tokens lie in runs of at most FEW_ROWS tokens of one sequence."""
+    count = 0
+    for _, t0, t1 in sequence_runs(seq_index):
+        if t0 != count or t1 - t0 > FEW_ROWS:
+            break
+        count = t1
+    return count
 
 
 def _roped_attention(graph: Graph) -> list[tuple[int, int, int]]:
@@ -255,7 +267,7 @@ class _Binder:
 
             def packed(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
                 xv = x(e, s)
-                y = product(xv)
+                y = product(xv, e.get(fusion.LONE_ROWS, 0))
                 return y if y is not None else ops.linear(xv, weight)
 
             return packed
@@ -276,8 +288,15 @@ class _Binder:
             from poot_core.cpu import paged
 
             seqs, tables = paged_inputs
-            return lambda e, s: paged.attention(q(e, s), k(e, s), v(e, s), pos(e, s), seqs(e, s), tables(e, s),
-                                                kc(e, s), vc(e, s), a["scale"], a["window"], a["softcap"])
+
+            def paged_attention(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+                positions = pos(e, s)
+                k_pool = kc(e, s)
+                step = paged.plan(e, positions, seqs(e, s), tables(e, s), k_pool.shape[2])
+                return paged.attention(q(e, s), k(e, s), v(e, s), positions, step, k_pool, vc(e, s), a["scale"],
+                                       a["window"], a["softcap"])
+
+            return paged_attention
         return lambda e, s: ops.attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s),
                                           a["scale"], a["window"], a["softcap"])
 
@@ -293,9 +312,9 @@ class _Binder:
 
             def silu_gated(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
                 gv, uv = g(e, s), u(e, s)
-                # many rows (prefill): one C pass on every core; a few rows: torch's two ops cost less than the
-                # C route's checks
-                done = small_ops.silu_mul(gv, uv) if gv.numel() > 1 << 14 else None
+                # one C pass, whatever the row count: each row's arithmetic is then the same at decode, at prefill
+                # and in a serving step of many rows (torch's vector and scalar loops differ in the last bits)
+                done = small_ops.silu_mul(gv, uv)
                 return done if done is not None else ops.gated(gv, uv, "silu")
 
             return silu_gated
@@ -326,8 +345,11 @@ class _Binder:
 
     def op_logits(self, node: Node) -> StepFn:
         x, w = self.args(node)
-        softcap = node.attrs["softcap"]
-        return lambda e, s: ops.logits(x(e, s), w(e, s), softcap)
+        softcap, weight = node.attrs["softcap"], self.get(node.inputs[1])
+        # serving steps: a packed head's rows are decode rows too (the logits of a row do not depend on the batch)
+        product = few_rows_product(weight, fusion.ROWWISE_MAX) if self.rowwise and isinstance(weight, PackedWeight) \
+            else None
+        return lambda e, s: ops.logits(x(e, s), w(e, s), softcap, product)
 
     def op_moe(self, node: Node) -> StepFn:
         from poot_core.cpu import moe

@@ -105,7 +105,8 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
             y = ops.linear16(xv, joined, xs)
         else:
             xv = arg(e, s)
-            y = product(xv) if product is not None else None  # decode: the C kernel, its plan made once
+            # decode: the C kernel, its plan made once (a serving step's decode rows: LONE_ROWS of them)
+            y = product(xv, e.get(LONE_ROWS, 0)) if product is not None else None
             if y is None:
                 y = ops.linear(xv, joined)
         mine = None
@@ -120,6 +121,11 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
     run.keep_alive = parts  # type: ignore[attr-defined]  # the view borrows the parts' memory
     return run
 
+
+# The environment's key for how many of a serving step's first tokens are decode tokens (runs of at most
+# FEW_ROWS tokens; the scheduler puts them first): in a step of more rows their products still take the decode
+# kernel, so that they are the rows a decode step of each alone gives.
+LONE_ROWS = "paged:lone_rows"
 
 # Serving steps of up to this many rows take the decode kernel (packed_linear.few_rows_product): for them it
 # costs less than dequantizing the matrix into tiles, and each row's arithmetic is a decode row's, whatever

@@ -8,6 +8,7 @@ through poot_core.cpu.packed_linear, and everything between matmuls is float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -192,8 +193,12 @@ def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     return activation(gate, act) * up
 
 
-def logits(x: torch.Tensor, w: Weight, softcap: float | None) -> torch.Tensor:
-    y = linear(x, w)
+def logits(x: torch.Tensor, w: Weight, softcap: float | None,
+           product: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """x @ W^T (through `product` where it takes x: packed_linear.few_rows_product's decode rows), softcapped."""
+    y = product(x) if product is not None else None
+    if y is None:
+        y = linear(x, w)
     if softcap is not None:
         y = torch.tanh(y / softcap) * softcap
     return y

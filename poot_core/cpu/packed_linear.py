@@ -62,16 +62,19 @@ class CKernel:
     # one row, or a one-row shortcut), a serving step gives each row a call of its own, so that a row's result
     # is a lone decode row's whatever shares the step: "always", "avx512f" (only in builds with AVX-512), "".
     one_row_route: str = ""
+    # A C function of gemv's signature that takes any number of rows itself, each row's result the one gemv
+    # gives it alone (a serving step's product, instead of csrc/rows.c's calls of `few` rows), or "".
+    many: str = ""
 
 
 # The registration point: one entry per GGUF block type with a C kernel (block sizes from gguf_blocks).
 C_TYPES: dict[str, CKernel] = {
-    "Q4_0": CKernel(0, "poot_gemv", "poot_dequant"),
-    "Q4_1": CKernel(1, "poot_gemv", "poot_dequant"),
-    "Q8_0": CKernel(2, "poot_gemv", "poot_dequant"),
-    "Q5_0": CKernel(6, "poot_gemv", "poot_dequant"),
-    "Q5_1": CKernel(7, "poot_gemv", "poot_dequant"),
-    "IQ4_NL": CKernel(8, "poot_gemv", "poot_dequant"),
+    "Q4_0": CKernel(0, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
+    "Q4_1": CKernel(1, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
+    "Q8_0": CKernel(2, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
+    "Q5_0": CKernel(6, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
+    "Q5_1": CKernel(7, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
+    "IQ4_NL": CKernel(8, "poot_gemv", "poot_dequant", many="poot_gemv_many"),
     "Q4_K": CKernel(3, "poot_gemv_k", "poot_dequant_k", "avx512f"),
     "Q5_K": CKernel(4, "poot_gemv_k", "poot_dequant_k", "avx512f"),
     "Q6_K": CKernel(5, "poot_gemv_k", "poot_dequant_k", "avx512f"),
@@ -107,16 +110,21 @@ class _Plan:
     rows: Callable[..., None]  # csrc/rows.c's poot_gemv_rows: gemv over any number of rows, `few` a call
     gemv_address: int
     few: int  # rows per gemv call in poot_gemv_rows: FUSED_MAX_ROWS, or 1 (see CKernel.one_row_route)
+    many: Callable[..., None] | None  # CKernel.many, where the type has one (and x is not quantized to q8)
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat: float32 [m, in] contiguous. Beyond FUSED_MAX_ROWS rows (a batched serving step) the decode kernel
-        meets them `few` at a time over cache-sized chunks of W (csrc/rows.c), so W is read from memory once and
-        each row's result is the one a decode step of that row alone gives."""
+        """flat: float32 [m, in] contiguous. Beyond FUSED_MAX_ROWS rows (a batched serving step) the type's `many`
+        kernel takes them all, or the decode kernel meets them `few` at a time over cache-sized chunks of W
+        (csrc/rows.c); either way W is read from memory once and each row's result is the one a decode step of
+        that row alone gives. Types whose lone row sums in another order (few == 1) give 2-4 rows a call
+        each too."""
         m = flat.shape[0]
         y = torch.empty(m, self.out_features)
-        if m <= FUSED_MAX_ROWS:
-            self.gemv(self.gemv_type, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
-                      flat.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
+        grouped = m <= FUSED_MAX_ROWS and (m == 1 or self.few > 1)  # a lone row's bits from one gemv call
+        if grouped or (m > FUSED_MAX_ROWS and self.many is not None):
+            (self.gemv if grouped else self.many)(
+                self.gemv_type, self.address, self.row_bytes, self.out_features, self.blocks_per_row,
+                flat.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
         else:
             self.rows(self.gemv_address, self.gemv_type, self.address, self.row_bytes, self.out_features,
                       self.blocks_per_row, flat.data_ptr(), m, self.in_features, self.few, y.data_ptr(),
@@ -153,7 +161,8 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
         plan = _Plan(gemv, dequant, ctypes.cast(dequant, ctypes.c_void_p).value or 0,
                      kind.type_id, blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements,
                      w.shape[1], gemv_type, lib.poot_gemv_rows, ctypes.cast(gemv, ctypes.c_void_p).value or 0,
-                     1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS)
+                     1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS,
+                     getattr(lib, kind.many) if kind.many and not q8 else None)
         _plans[w] = plan
     return plan
 
@@ -171,23 +180,31 @@ def _c_route(flat: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL) -> torch.Ten
 
 
 def few_rows_product(w: PackedWeight, max_rows: int = FUSED_MAX_ROWS
-                     ) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+                     ) -> Callable[..., torch.Tensor | None] | None:
     """For a weight the C kernel reads, a function of float32 x [..., in] giving x @ W^T with the per-call
     lookups and checks of packed_linear done once, here (they cost more than a small decode product). It
     returns None for more than max_rows rows, and the caller uses packed_linear. A serving step passes more
     than FUSED_MAX_ROWS (fusion.ROWWISE_MAX): its rows then get the decode kernel's arithmetic, whatever else
-    shares the step."""
+    shares the step. Its `lone` argument, for a step of more rows: the first `lone` rows (decode tokens) still
+    get the decode kernel's arithmetic, the rest packed_linear's tiles."""
     if not uses_c_kernel(w):
         return None
     lib = kernels()
     assert lib is not None  # uses_c_kernel checked it
     plan = _plan(w, lib)
 
-    def product(x: torch.Tensor) -> torch.Tensor | None:
+    def product(x: torch.Tensor, lone: int = 0) -> torch.Tensor | None:
         flat = x.reshape(-1, plan.in_features)
-        if flat.shape[0] > max_rows or flat.dtype != torch.float32:
+        if flat.dtype != torch.float32:
             return None
-        return plan.few_rows(flat.contiguous()).reshape(*x.shape[:-1], plan.out_features)
+        if flat.shape[0] <= max_rows:
+            return plan.few_rows(flat.contiguous()).reshape(*x.shape[:-1], plan.out_features)
+        if lone <= 0:
+            return None
+        y = torch.empty(flat.shape[0], plan.out_features)
+        y[:lone] = plan.few_rows(flat[:lone].contiguous())
+        y[lone:] = _c_route(flat[lone:], w, lib)
+        return y.reshape(*x.shape[:-1], plan.out_features)
 
     return product
 

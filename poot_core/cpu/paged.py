@@ -13,12 +13,55 @@ bit the logits-path inputs a contiguous decode step gives.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from poot_core.cpu import ops
 from poot_core.graph import sequence_runs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the attention of every layer of one paged step shares, worked out once per step (plan())."""
+
+    short: torch.Tensor | None  # the tokens of runs of at most MAX_QUERIES (decode), or None
+    leading: int  # when those are exactly the step's first `leading` tokens (the scheduler puts decode first)
+    long: list[tuple[int, int, int]]  # (slot, first token, end token) of the longer runs (prefill chunks)
+    padding_from: int  # the tokens from here on are padding, and none before (0 when padding lies between)
+    positions: torch.Tensor  # int64 [N]
+    seqs: torch.Tensor  # int64 [N]
+    tables: torch.Tensor  # int64 [S, M]
+    # the tokens of the long runs, and the block and offset each one's key and value go to
+    long_tokens: torch.Tensor | None
+    long_slots: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def plan(e: dict[str, Any], positions: torch.Tensor, seq_index: torch.Tensor, tables: torch.Tensor,
+         block_size: int) -> StepPlan:
+    """The step's plan, kept in its environment `e` (the step's inputs are the same for every layer)."""
+    found = e.get("paged:plan")
+    if found is None:
+        from poot_core.cpu.c_attention import MAX_QUERIES
+
+        runs = list(sequence_runs(seq_index))
+        short = [r for r in runs if r[2] - r[1] <= MAX_QUERIES]
+        tokens = [t for _, t0, t1 in short for t in range(t0, t1)]
+        leading = len(tokens) if tokens == list(range(len(tokens))) else 0
+        real = sum(t1 - t0 for _, t0, t1 in runs)
+        padding_from = real if all(t1 <= real for _, _, t1 in runs) else 0
+        long = [r for r in runs if r[2] - r[1] > MAX_QUERIES]
+        pos, seqs, tabs = (positions[0].to(torch.int64).contiguous(), seq_index.to(torch.int64).contiguous(),
+                           tables.to(torch.int64).contiguous())
+        long_tokens = slots = None
+        if long:
+            long_tokens = torch.cat([torch.arange(t0, t1) for _, t0, t1 in long])
+            at = pos[long_tokens]
+            slots = tabs[seqs[long_tokens], at // block_size], at % block_size
+        found = e["paged:plan"] = StepPlan(torch.tensor(tokens) if tokens else None, leading, long, padding_from,
+                                           pos, seqs, tabs, long_tokens, slots)
+    return found
 
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -41,29 +84,51 @@ def _blocks_of(table: torch.Tensor, first: int, end: int, block_size: int) -> tu
     return table[lo : (end + block_size - 1) // block_size], lo * block_size
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seq_index: torch.Tensor,
-              tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int | None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, step: StepPlan,
+              k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int | None,
               softcap: float | None) -> torch.Tensor:
-    """q [1, N, Hq, D]; k, v [1, N, Hkv, D]; positions [1, N]; seq_index [N]; tables [S, M]; pools
-    [blocks, Hkv, B, D]. Returns [1, N, Hq, Dv], zeros for padding tokens."""
-    from poot_core.cpu.c_attention import MAX_QUERIES, attend_paged
+    """q [1, N, Hq, D]; k, v [1, N, Hkv, D]; positions [1, N]; the step's plan (its seq_index [N] and tables
+    [S, M]); pools [blocks, Hkv, B, D]. Returns [1, N, Hq, Dv], zeros for padding tokens."""
+    from poot_core.cpu.c_attention import attend_paged
 
     block_size = k_pool.shape[2]
-    out = torch.zeros(*q.shape[:3], v.shape[-1])
-    runs = list(sequence_runs(seq_index))
-    short = [r for r in runs if r[2] - r[1] <= MAX_QUERIES]  # decode tokens: through the tables, one C call
-    if short:
-        at = torch.tensor([t for _, t0, t1 in short for t in range(t0, t1)])
-        few = attend_paged(q[0, at], k[0, at], v[0, at], positions[0, at], seq_index[at], tables, k_pool, v_pool,
-                           scale, window, softcap)
-        if few is not None:
-            out[0, at] = few
-            runs = [r for r in runs if r[2] - r[1] > MAX_QUERIES]
+    runs = step.long
+    if step.short is not None:  # decode tokens: through the tables, one C call
+        if step.leading:
+            n = step.leading
+            few = attend_paged(q[0, :n], k[0, :n], v[0, :n], step.positions[:n], step.seqs[:n], step.tables, k_pool,
+                               v_pool, scale, window, softcap)
+            if few is not None and not runs and n == q.shape[1]:
+                return few[None]  # a step of decode tokens only, no padding
+        else:
+            at = step.short
+            few = attend_paged(q[0, at], k[0, at], v[0, at], step.positions[at], step.seqs[at], step.tables, k_pool,
+                               v_pool, scale, window, softcap)
+        if few is None:  # the kernel does not apply: every run through the contiguous kernels below
+            runs = list(sequence_runs(step.seqs))
+    out = torch.empty(*q.shape[:3], v.shape[-1])
+    out[:, step.padding_from :] = 0.0
+    if step.short is not None and few is not None:
+        if step.leading:
+            out[0, : step.leading] = few
+        else:
+            out[0, step.short] = few
+    if runs and runs is step.long and step.long_tokens is not None and step.long_slots is not None:
+        # prefill chunks: their keys and values into their blocks, then one C call reading the blocks
+        from poot_core.cpu.c_attention import attend_paged_blocks
+
+        blocks, offsets = step.long_slots
+        k_pool[blocks, :, offsets] = k[0, step.long_tokens]
+        v_pool[blocks, :, offsets] = v[0, step.long_tokens]
+        done = attend_paged_blocks(q[0], step.positions, runs, step.tables, k_pool, v_pool, scale, window, softcap)
+        if done is not None:
+            out[0, step.long_tokens] = done[step.long_tokens]
+            return out
     for slot, t0, t1 in runs:
         pos = positions[0, t0:t1]
         start, end = int(pos[0]), int(pos[-1]) + 1
         first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
-        blocks, base = _blocks_of(tables[slot], first, end, block_size)
+        blocks, base = _blocks_of(step.tables[slot], first, end, block_size)
         kc, vc = _gather(k_pool, blocks), _gather(v_pool, blocks)
         local = pos - base
         out[:, t0:t1] = ops.attention(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], local[None], kc, vc, scale, window,

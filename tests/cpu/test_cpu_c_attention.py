@@ -270,3 +270,42 @@ def test_paged_decode_gives_the_contiguous_bits(heads, kv_heads, dk, dv, block, 
         for j, p in zip(at.tolist(), pos[0].tolist(), strict=True):  # the new keys went where the table says
             b, off = int(tables[s, p // block]), p % block
             assert torch.equal(k_pool[b, :, off], k[j]) and torch.equal(v_pool[b, :, off], v[j])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,block,window,softcap", [
+    (9, 3, 64, 16, None, None),   # SmolLM2's shape in blocks of 16
+    (4, 4, 32, 5, None, None),    # an odd block size: a key tile spans parts of many blocks
+    (6, 2, 16, 8, 37, 30.0),      # a sliding window and soft-capping
+])
+def test_paged_prefill_gives_the_contiguous_bits(heads, kv_heads, d, block, window, softcap):
+    """Prefill chunks of several sequences in one step (token rows of q apart, as a joined product leaves them),
+    keys in scattered blocks: each query's output equal, bit for bit, to attend_blocks over the same keys laid
+    out contiguously (and to float64)."""
+    from poot_core.cpu.c_attention import attend_paged_blocks
+
+    gen = torch.Generator().manual_seed(11)
+    cached = [0, 70, 3, 130]  # positions already cached per sequence; then a chunk of new ones
+    new = [67, 9, 130, 5]
+    capacity = (max(c + n for c, n in zip(cached, new, strict=True)) + block - 1) // block * block
+    per_seq = capacity // block
+    n_blocks = per_seq * len(cached) + 3
+    tables = torch.randperm(n_blocks, generator=gen)[: per_seq * len(cached)].reshape(len(cached), per_seq)
+    k_pool = torch.randn(n_blocks, kv_heads, block, d, generator=gen)
+    v_pool = torch.randn(n_blocks, kv_heads, block, d, generator=gen)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new, strict=True)])
+    starts = [sum(new[:s]) for s in range(len(new))]
+    runs = [(s, starts[s], starts[s] + new[s]) for s in range(len(new))]
+    joined = torch.randn(len(positions), heads * d + 8, generator=gen) * 2
+    q = joined[:, : heads * d].reshape(len(positions), heads, d)
+    scale = 1 / math.sqrt(d)
+    out = attend_paged_blocks(q, positions, runs, tables, k_pool, v_pool, scale, window, softcap)
+    assert out is not None, f"attend_paged_blocks refused on its {ROUTE} route"
+    k_flat = k_pool[tables].transpose(1, 2).reshape(len(cached), kv_heads, capacity, d).contiguous()
+    v_flat = v_pool[tables].transpose(1, 2).reshape(len(cached), kv_heads, capacity, d).contiguous()
+    for s, t0, t1 in runs:
+        pos = positions[t0:t1][None]
+        want = attend_blocks(q[None, t0:t1], pos, k_flat[s : s + 1], v_flat[s : s + 1], scale, window, softcap)
+        assert want is not None
+        assert torch.equal(out[t0:t1], want[0]), f"sequence {s}"
+        ref = reference(q[None, t0:t1], pos, k_flat[s : s + 1], v_flat[s : s + 1], scale, window, softcap)
+        assert torch.allclose(out[t0:t1].double(), ref[0], rtol=1e-4, atol=1e-5)

@@ -397,6 +397,48 @@ static void tile(const float *q, int64_t q_stride, int nq, const int64_t *p, int
 }
 #endif
 
+#if defined(__AVX512F__) || POOT_AVX2
+/* One unit of the prefill attention: the queries [t0, t1) (consecutive positions pos[t0..t1)) of every query
+   head of key/value head g against its keys; kb, vb: the key and value rows of positions base, base + 1, ...
+   (base <= the first key read, a multiple of KB). kt: scratch of d * ld floats for the transposed keys. */
+static void attend_unit(const float *q, int64_t q_stride, int64_t t0, int64_t t1, const int64_t *pos, int64_t heads,
+                        int64_t g, int64_t group, int64_t d, const float *kb, const float *vb, int64_t base,
+                        float scale, int64_t window, float softcap, float *out, float *kt, int64_t ld) {
+    const int64_t last = pos[t1 - 1];
+    int64_t first_key = window > 0 && pos[t0] - window + 1 > 0 ? pos[t0] - window + 1 : 0;
+    first_key -= first_key % KB;
+    const int64_t end_key = last + 1, n_keys = ((end_key - first_key + KB - 1) / KB) * KB;
+    transpose_keys(kb + (first_key - base) * d, 0, end_key - first_key, n_keys, d, kt, ld);
+    for (int64_t hh = 0; hh < group; hh++) {
+        const int64_t h = g * group + hh;
+        for (int64_t t = t0; t < t1; t += QB) {
+            const int nq = (int)(t1 - t < QB ? t1 - t : QB);
+            const float *qt = q + t * q_stride + h * d;
+            float top[QB], total[QB], o[QB * 256];
+            for (int i = 0; i < QB; i++) { top[i] = -INFINITY; total[i] = 0.0f; }
+            for (int64_t e = 0; e < QB * d; e++) o[e] = 0.0f;
+            const int64_t lo = window > 0 && pos[t] - window + 1 > first_key ? pos[t] - window + 1 : first_key;
+            for (int64_t k0 = first_key + ((lo - first_key) / KB) * KB; k0 <= pos[t + nq - 1]; k0 += KB) {
+                float vtile[KB * 256];
+                const float *v = vb + (k0 - base) * d;
+                if (k0 + KB > end_key) {  /* the last tile: copy the real value rows, zeros after */
+                    for (int64_t j = 0; j < KB; j++)
+                        for (int64_t e = 0; e < d; e++)
+                            vtile[j * d + e] = k0 + j < end_key ? v[j * d + e] : 0.0f;
+                    v = vtile;
+                }
+                tile(qt, q_stride, nq, pos + t, k0, first_key, window, kt, ld, v, d, scale, softcap, top, total, o);
+            }
+            for (int i = 0; i < nq; i++) {
+                float *dst = out + ((t + i) * heads + h) * d;
+                const float inv = 1.0f / total[i];
+                for (int64_t e = 0; e < d; e++) dst[e] = o[i * d + e] * inv;
+            }
+        }
+    }
+}
+#endif
+
 /* Prefill attention for d % 16 == 0 (keys and values of one size d): q [R, T, Hq, d] with token rows
    q_stride apart, the caches [R, Hkv, C, d] already holding this step's keys and values, positions [R, T]
    consecutive per row. out [R, T, Hq, d]. scratch: per thread, d * (C + KB) floats for the transposed keys.
@@ -414,42 +456,57 @@ int poot_attend_blocks(const float *q, int64_t q_stride, int64_t rows, int64_t t
         float *kt = scratch + (int64_t)omp_get_thread_num() * d * ld;
         const int64_t ch = chunks - 1 - u % chunks, g = (u / chunks) % kv_heads, r = u / (chunks * kv_heads);
         const int64_t t0 = ch * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
-        const int64_t *pos = positions + r * tokens;
-        const int64_t last = pos[t1 - 1];
-        int64_t first_key = window > 0 && pos[t0] - window + 1 > 0 ? pos[t0] - window + 1 : 0;
-        first_key -= first_key % KB;
-        const int64_t end_key = last + 1, n_keys = ((end_key - first_key + KB - 1) / KB) * KB;
-        const float *kb = k_cache + (r * kv_heads + g) * capacity * d;
-        const float *vb = v_cache + (r * kv_heads + g) * capacity * d;
-        transpose_keys(kb, first_key, end_key, n_keys, d, kt, ld);
-        for (int64_t hh = 0; hh < group; hh++) {
-            const int64_t h = g * group + hh;
-            for (int64_t t = t0; t < t1; t += QB) {
-                const int nq = (int)(t1 - t < QB ? t1 - t : QB);
-                const float *qt = q + ((r * tokens + t) * q_stride) + h * d;
-                float top[QB], total[QB], o[QB * 256];
-                for (int i = 0; i < QB; i++) { top[i] = -INFINITY; total[i] = 0.0f; }
-                for (int64_t e = 0; e < QB * d; e++) o[e] = 0.0f;
-                const int64_t lo = window > 0 && pos[t] - window + 1 > first_key ? pos[t] - window + 1 : first_key;
-                for (int64_t k0 = first_key + ((lo - first_key) / KB) * KB; k0 <= pos[t + nq - 1]; k0 += KB) {
-                    float vtile[KB * 256];
-                    const float *v = vb + k0 * d;
-                    if (k0 + KB > end_key) {  /* the last tile: copy the real value rows, zeros after */
-                        for (int64_t j = 0; j < KB; j++)
-                            for (int64_t e = 0; e < d; e++)
-                                vtile[j * d + e] = k0 + j < end_key ? v[j * d + e] : 0.0f;
-                        v = vtile;
-                    }
-                    tile(qt, q_stride, nq, pos + t, k0, first_key, window, kt, ld, v, d, scale, softcap, top, total,
-                         o);
-                }
-                for (int i = 0; i < nq; i++) {
-                    float *dst = out + ((r * tokens + t + i) * heads + h) * d;
-                    const float inv = 1.0f / total[i];
-                    for (int64_t e = 0; e < d; e++) dst[e] = o[i * d + e] * inv;
-                }
-            }
+        attend_unit(q + r * tokens * q_stride, q_stride, t0, t1, positions + r * tokens, heads, g, group, d,
+                    k_cache + (r * kv_heads + g) * capacity * d, v_cache + (r * kv_heads + g) * capacity * d, 0,
+                    scale, window, softcap, out + r * tokens * heads * d, kt, ld);
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* The paged layout's prefill chunks: runs[3 * i ..] = (sequence slot, first token, end token) of n_runs runs
+   of consecutive positions in a step of tokens q [N, Hq, d] (token rows q_stride apart), whose keys and values
+   are already in their blocks (pools [blocks, Hkv, B, d], tables [S, table_stride]). Each unit (run, key/value
+   head, chunk of 64 queries) copies the key and value rows it reads out of the blocks into scratch, then
+   attends as poot_attend_blocks does over a contiguous cache: query for query the same arithmetic. out
+   [N, Hq, d] (the runs' tokens only). scratch: per thread, d * (3 * span + KB) floats, span the most
+   positions a run reads (a multiple of KB). Returns 0, or -1 without AVX-512 or AVX2 + FMA. */
+int poot_attend_paged_blocks(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads, int64_t d,
+                             const float *k_pool, const float *v_pool, int64_t block, const int64_t *tables,
+                             int64_t table_stride, const int64_t *runs, int64_t n_runs, const int64_t *positions,
+                             float scale, int64_t window, float softcap, float *out, float *scratch, int64_t span,
+                             int threads) {
+#if defined(__AVX512F__) || POOT_AVX2
+    const int64_t group = heads / kv_heads, chunk = 64, ld = span + KB;
+    int64_t units = 0;
+    for (int64_t i = 0; i < n_runs; i++) units += (runs[3 * i + 2] - runs[3 * i + 1] + chunk - 1) / chunk;
+    units *= kv_heads;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        float *kt = scratch + (int64_t)omp_get_thread_num() * d * (ld + 2 * span);
+        float *kc = kt + d * ld, *vc = kc + d * span;
+        /* unit u: key/value head u % kv_heads of the (u / kv_heads)-th chunk, runs in order */
+        const int64_t g = u % kv_heads;
+        int64_t c = u / kv_heads, i = 0;
+        for (;; i++) {
+            const int64_t count = (runs[3 * i + 2] - runs[3 * i + 1] + chunk - 1) / chunk;
+            if (c < count) break;
+            c -= count;
         }
+        const int64_t *table = tables + runs[3 * i] * table_stride;
+        const int64_t r0 = runs[3 * i + 1], r1 = runs[3 * i + 2];
+        const int64_t t0 = r0 + c * chunk, t1 = t0 + chunk < r1 ? t0 + chunk : r1;
+        int64_t base = window > 0 && positions[t0] - window + 1 > 0 ? positions[t0] - window + 1 : 0;
+        base -= base % KB;
+        for (int64_t p = base; p <= positions[t1 - 1]; p++) {  /* the rows this unit reads, out of the blocks */
+            const int64_t at = ((table[p / block] * kv_heads + g) * block + p % block) * d;
+            memcpy(kc + (p - base) * d, k_pool + at, sizeof(float) * (size_t)d);
+            memcpy(vc + (p - base) * d, v_pool + at, sizeof(float) * (size_t)d);
+        }
+        attend_unit(q, q_stride, t0, t1, positions, heads, g, group, d, kc, vc, base, scale, window, softcap, out,
+                    kt, ld);
     }
     return 0;
 #else

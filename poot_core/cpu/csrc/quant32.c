@@ -189,6 +189,94 @@ static void rows_dot256(int type, int m, const uint8_t *row, int64_t nb, const f
     }
 }
 
+/* rows256 for eight rows of x at once (serving steps, poot_gemv_many): each block is decoded once for all
+   eight, and each row's sums are rows256's: the same products of the same blocks in the same order into its
+   acc, and the minimum's terms, summed apart in block order (a lane per row of macc: the fused multiply-add
+   rows256's macc[r] += mn * xsum compiles to), added last. So each row of y is bit for bit what rows256 gives
+   it alone. xsum_t: the sums of x transposed, xsum_t[b * 8 + r]. */
+static inline __attribute__((always_inline)) void rows256_8(const int type, const uint8_t *row, int64_t nb,
+                                                            const float *x, const float *xsum_t, float *y,
+                                                            int64_t n) {
+    const int64_t size = block_bytes(type), k = nb * 32;
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * size;
+        __m256 f[4];
+        codes_f32(type, blk, 1, f);
+        const __m256 d = _mm256_set1_ps(f16(blk));
+        for (int r = 0; r < 8; r++) {
+            const float *xb = x + r * k + b * 32;
+            const __m256 p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+            const __m256 q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24),
+                                             _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(p, q), acc[r]);
+        }
+    }
+    float macc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (type != Q8_0 && type != IQ4_NL) {
+        __m256 mv = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++)
+            mv = _mm256_fmadd_ps(_mm256_set1_ps(raw_min(type, row + b * size)), _mm256_loadu_ps(xsum_t + b * 8), mv);
+        _mm256_storeu_ps(macc, mv);
+    }
+    for (int r = 0; r < 8; r++) y[r * n] = hsum8(acc[r]) + macc[r];
+}
+
+static void rows_dot256_8(int type, const uint8_t *row, int64_t nb, const float *x, const float *xsum_t, float *y,
+                          int64_t n) {
+    switch (type) {
+    case Q4_0: rows256_8(Q4_0, row, nb, x, xsum_t, y, n); return;
+    case Q4_1: rows256_8(Q4_1, row, nb, x, xsum_t, y, n); return;
+    case Q8_0: rows256_8(Q8_0, row, nb, x, xsum_t, y, n); return;
+    case Q5_0: rows256_8(Q5_0, row, nb, x, xsum_t, y, n); return;
+    case Q5_1: rows256_8(Q5_1, row, nb, x, xsum_t, y, n); return;
+    case IQ4_NL: rows256_8(IQ4_NL, row, nb, x, xsum_t, y, n); return;
+    }
+}
+
+/* Bytes of weight rows a chunk of poot_gemv_many holds: they stay in the core's cache while every group of x
+   rows meets them, so W is read from memory once per call. */
+#define MANY_CHUNK_BYTES (32 * 1024)
+
+/* poot_gemv_many's AVX2 route: the sums of x once for the call (xsum for groups of 1-4 rows, xsum_t
+   transposed per group of 8), then chunks of W's rows, spread over the threads as they come free, each meeting
+   x eight rows at a time (the rest four at a time, then 1-3). */
+static void many256(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
+                    float *y, int threads) {
+    const int64_t eights = m / 8;
+    float *xsum = sums_of_32(x, m * nb);
+    float *xsum_t = malloc(sizeof(float) * (size_t)(eights * nb * 8 + 1));
+    if (!xsum || !xsum_t) {
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        free(xsum);
+        free(xsum_t);
+        return;
+    }
+    for (int64_t g = 0; g < eights; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 8; r++) xsum_t[(g * nb + b) * 8 + r] = xsum[(g * 8 + r) * nb + b];
+    int64_t chunk = MANY_CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    const int64_t share = (n + 4 * threads - 1) / (4 * threads);  /* a few chunks a thread */
+    if (chunk > share) chunk = share;
+    if (chunk < 1) chunk = 1;
+    const int64_t chunks = (n + chunk - 1) / chunk, k = nb * 32;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o0 = c * chunk, o1 = (n - o0 < chunk) ? n : o0 + chunk;
+        for (int64_t g = 0; g < eights; g++)
+            for (int64_t o = o0; o < o1; o++)
+                rows_dot256_8(type, w + o * row_bytes, nb, x + g * 8 * k, xsum_t + g * nb * 8, y + g * 8 * n + o, n);
+        for (int64_t r0 = eights * 8; r0 < m; r0 += 4) {
+            const int64_t group = (m - r0 < 4) ? m - r0 : 4;
+            for (int64_t o = o0; o < o1; o++)
+                rows_dot256(type, (int)group, w + o * row_bytes, nb, x + r0 * k, xsum + r0 * nb, y + r0 * n + o, n);
+        }
+    }
+    free(xsum);
+    free(xsum_t);
+}
+
 /* One block, dequantized into dst[32]: d * c, or (d * c rounded) + m. */
 static inline __attribute__((always_inline)) void dequant256(const int type, const uint8_t *blk, float *dst) {
     __m256 f[4];
@@ -267,6 +355,22 @@ void poot_gemv(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
             y[r * n + o] = row_dot(type, w + o * row_bytes, nb, x + r * nb * 32, xsum + r * nb);
 #endif
     free(xsum);
+}
+
+/* y[m, n] = x[m, nb * 32] @ W^T for any m (the rows of a serving step), each row bit for bit what poot_gemv
+   gives that row alone. */
+void poot_gemv_many(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x,
+                    int64_t m, float *y, int threads) {
+#if POOT_AVX2
+#ifdef __AVX512F__
+    if (type != Q4_0 && type != Q4_1 && type != Q8_0)  /* those three take row_dot512 a row at a time */
+#endif
+    {
+        many256(type, w, row_bytes, n, nb, x, m, y, threads);
+        return;
+    }
+#endif
+    poot_gemv(type, w, row_bytes, n, nb, x, m, y, threads);  /* its other routes take one row at a time */
 }
 
 /* out[rows, nb * 32] = the dequantized rows, bit for bit as ggml defines them: d * c, or (d * c) + m with the
