@@ -38,6 +38,15 @@ def dot_tiles(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def gemm_tile(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] output tile of an m x n GEMM (program ids 0 and 1): its rows, its
+    columns and their masks (shared by the GEMM kernels)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < m, offs_n < n
+
+
+@triton.jit
 def gemm_x_tile(x_ptr, x_stride, offs_m, offs_k, mmask, kmask):
     """One [BLOCK_M, BLOCK_K] tile of the activations, zeros past the edges (shared by the GEMM kernels)."""
     return tl.load(
@@ -121,10 +130,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = offs_m < m
-    nmask = offs_n < n
+    offs_m, offs_n, mmask, nmask = gemm_tile(m, n, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -24,10 +24,22 @@ import triton.language as tl
 from poot_core import PackedWeight
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, dot_tiles, gemm_store, gemm_x_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, GEMV_OVERRIDE, dot_tiles, gemm_store, gemm_tile, gemm_x_tile, launch_gemv
 from .relayout import IQ4_VALUES
 from .splitk import MAX_SPLIT, finish_split
 from .tuning import Tile, Tuning, planes_tile, tuning_for_device
+
+
+@triton.jit
+def _shift_down(v, S: tl.constexpr):
+    """v >> S for a constant S of either sign (a negative S shifts up by -S)."""
+    if S > 0:
+        out = v >> S
+    elif S < 0:
+        out = v << (-S)
+    else:
+        out = v
+    return out
 
 
 @triton.jit
@@ -37,10 +49,7 @@ def _field(w, h, E: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, FP8: tl.co
     FPW: tl.constexpr = 32 // LB
     if FP8:
         S8: tl.constexpr = 8 * E - 20  # the byte's low 7 bits to bits 20..26, its sign to bit 31
-        if S8 > 0:
-            ws = w >> S8
-        else:
-            ws = w << (-S8)
+        ws = _shift_down(w, S8)
         if E == 3:
             sign = w
         else:
@@ -48,22 +57,13 @@ def _field(w, h, E: tl.constexpr, LB: tl.constexpr, HB: tl.constexpr, FP8: tl.co
         return ((ws & 0x07F00000) | (sign & -2147483648)).to(tl.float32, bitcast=True)
     S: tl.constexpr = ((LB * E - (16 - LB)) // 8) * 8
     P: tl.constexpr = LB * E - S
-    if S > 0:
-        ws = w >> S
-    elif S < 0:
-        ws = w << (-S)
-    else:
-        ws = w
+    ws = _shift_down(w, S)
     bits = ws & (((1 << LB) - 1) << P)
     if HB > 0:
         if E == FPW - 1:  # the top field's high bits wrapped to the bottom of the hi word
             hs = h << (P + LB)
-        elif S > 0:
-            hs = h >> S
-        elif S < 0:
-            hs = h << (-S)
         else:
-            hs = h
+            hs = _shift_down(h, S)
         bits = bits | (hs & (((1 << HB) - 1) << (P + LB)))
     return bits.to(tl.float32, bitcast=True)
 
@@ -361,10 +361,7 @@ def _planes_gemm_kernel(
     """A [BLOCK_M, BLOCK_N] output tile: per step a [BLOCK_K, BLOCK_N] weight tile rebuilt in registers from
     whole words (_planes_tile), in x's dtype, into tl.dot. PERM: input rows are read through perm (act-order).
     BLOCK_K is a multiple of the rows one hi word serves (32 for 2-bit fields) and k of BLOCK_K."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = offs_m < m
-    nmask = offs_n < n
+    offs_m, offs_n, mmask, nmask = gemm_tile(m, n, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -17,7 +17,7 @@ from poot_core import PackedWeight
 from poot_core.errors import Reason, Unsupported
 
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, require, unit_stride_last
-from .matmul import GEMV_MAX_ROWS, dense_linear, dot_tiles, gemm_store, gemm_x_tile, gemv_tile, launch_gemv
+from .matmul import GEMV_MAX_ROWS, dense_linear, dot_tiles, gemm_store, gemm_tile, gemm_x_tile, gemv_tile, launch_gemv
 from .planes import iq4_value, planes_linear, planes_rows
 from .relayout import from_gptq, is_planes, to_planes
 from .splitk import finish_split
@@ -313,10 +313,7 @@ def _gguf_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = offs_m < m
-    nmask = offs_n < n
+    offs_m, offs_n, mmask, nmask = gemm_tile(m, n, BLOCK_M, BLOCK_N)
     rows = w_ptr + offs_n[None, :].to(tl.int64) * w_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
