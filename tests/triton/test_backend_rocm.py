@@ -22,6 +22,7 @@ import torch
 import triton  # noqa: E402, F401 - a test dependency: missing, it must fail, not skip
 
 import poot_backend_rocm.executor as rocm_executor  # noqa: E402
+from helpers.aot import compiled_in_child
 from helpers.backends import assert_absent_device_is_refused
 from poot_backend_rocm import ARCHITECTURES, arch_info  # noqa: E402
 from poot_backend_rocm.executor import RocmExecutor  # noqa: E402
@@ -172,16 +173,7 @@ def aot_checkpoints(tiny_checkpoint) -> list[str]:
 def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_checkpoints):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the child imports tests/helpers as we do
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), arch, json.dumps(aot_checkpoints)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["failures"] == [], json.dumps(report["failures"], indent=1)
+    report = compiled_in_child([str(Path(__file__).resolve()), arch, json.dumps(aot_checkpoints)], env)
     built = {c["kernel"] for c in report["compiled"]}
     # what the binding must have used: norms, rope, KV writes, both attentions, dense, GGUF and GPTQ (planes)
     # products, gated activation and the greedy argmax
