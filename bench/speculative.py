@@ -2,10 +2,12 @@
 beside no speculation, in the same run, on input-grounded tasks (rewrite a given code file with a small edit;
 answer with quotes from a given text) and an open-ended one. Draft model: the packaged GGUF Q4_1 file.
 
-  python bench/speculative.py [--new 160] [--repeats 2] [--threads 1]
+  python bench/speculative.py [--new 160] [--repeats 2] [--threads 1] [--serving-only]
 
 Prints, per task and policy, decode tok/s (proposals and draft-model steps included), the ratio to no
-speculation, acceptance rate, and whether the text is identical (greedy: it must be); writes
+speculation, acceptance rate, and whether the text is identical (greedy: it must be). Then the serving engine
+(Layout.PAGED): the three tasks as one batch, and the code edit alone, with prompt lookup beside no
+speculation: output tok/s of the whole batch (prefill included), acceptance, identical text. Writes
 bench/results/speculative.json. Targets: prompt lookup >= 2x on the input-grounded tasks and <= 5% slower on
 the open-ended one; the draft-model pairing faster than bf16 alone.
 """
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402
 from helpers import smollm  # noqa: E402
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, open_executor  # noqa: E402
+from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, open_executor  # noqa: E402
 from poot_core.driver.speculation import DraftPolicy  # noqa: E402
 
 CODE = '''import json
@@ -99,18 +101,60 @@ def run(driver: Driver, ids: list[int], stops: list[str], new: int) -> dict[str,
             "accepted": t.accepted, "acceptance_rate": t.acceptance_rate, "verify_steps": t.verify_steps}
 
 
+def serving(target: ModelHandle, ex: Any, new: int, repeats: int) -> dict[str, Any]:
+    """The paged engine with and without prompt lookup: every task in one batch, then the first task alone."""
+    import time
+
+    prompts = [prompt_ids(target, message) for _, message in TASKS.values()]
+    options = dict(capacity=1024, prefill_chunk=256, kv_blocks=256, max_running=8)
+    engines = {name: Driver(target, ex, DriverOptions(**options, draft=p)).serve(Layout.PAGED)
+               for name, p in (("off", DraftPolicy.OFF), ("lookup", DraftPolicy.PromptLookup()))}
+    out: dict[str, Any] = {}
+    for case, batch in (("batch_3", prompts), ("alone_code_edit", prompts[:1])):
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                requests = [GenerateRequest(ids, max_new=new, stops=stops) for ids, stops in batch]
+                before = engine.speculation.counters.accepted if engine.speculation else 0
+                proposed = engine.speculation.counters.proposed if engine.speculation else 0
+                t0 = time.perf_counter()
+                gens = engine.generate_batch(requests)
+                seconds = time.perf_counter() - t0
+                c = engine.speculation.counters if engine.speculation else None
+                r = {"tok_s": sum(len(g.tokens) for g in gens) / seconds, "texts": [g.text for g in gens],
+                     "proposed": c.proposed - proposed if c else 0, "accepted": c.accepted - before if c else 0}
+                if name not in best or r["tok_s"] > best[name]["tok_s"]:
+                    best[name] = r
+        for r in best.values():
+            r["speedup"] = r["tok_s"] / best["off"]["tok_s"]
+            r["identical"] = r["texts"] == best["off"]["texts"]
+        out[case] = best
+        print(f"serving {case}:")
+        for name, r in best.items():
+            print(f"  {name:11s} {r['tok_s']:7.1f} tok/s  {r['speedup']:5.2f}x  accepted "
+                  f"{r['accepted']}/{r['proposed']}  identical={r['identical']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=160, help="most new tokens per task")
     ap.add_argument("--repeats", type=int, default=2, help="rounds over all policies; the best of each kept")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch's CPU threads (on a loaded machine 1 is steadier than one per core)")
+    ap.add_argument("--serving-only", action="store_true", help="only the serving engine's part")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     target = ModelHandle.load(smollm.safetensors_copy(torch.bfloat16))
     draft = ModelHandle.load(smollm.gguf_path())
     ex = open_executor("cpu")
+    if args.serving_only:
+        served = serving(target, ex, args.new, args.repeats)
+        path = common.write("speculative_serving", {"target": "SmolLM2-135M-Instruct bf16", "new_tokens": args.new,
+                                                    "load_average": os.getloadavg(), "serving": served})
+        print(f"wrote {path}")
+        return
     policies = {"off": DraftPolicy.OFF, "lookup": DraftPolicy.PromptLookup(),
                 "draft_q4_1": DraftPolicy.DraftModel(draft)}
     options = dict(capacity=1024, prefill_chunk=256)
@@ -136,9 +180,11 @@ def main() -> None:
         for name, r in best.items():
             print(f"  {name:11s} {r['decode_tok_s']:7.1f} tok/s  {r['speedup']:5.2f}x  accepted "
                   f"{r['accepted']}/{r['proposed']} ({100 * r['acceptance_rate']:.0f}%)  identical={r['identical']}")
+    served = serving(target, ex, args.new, args.repeats)
     load = os.getloadavg()
     path = common.write("speculative", {"target": "SmolLM2-135M-Instruct bf16", "draft": "SmolLM2 GGUF Q4_1",
-                                        "new_tokens": args.new, "load_average": load, "tasks": results})
+                                        "new_tokens": args.new, "load_average": load, "tasks": results,
+                                        "serving": served})
     print(f"load average {load[0]:.1f}; wrote {path}")
 
 
