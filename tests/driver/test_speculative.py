@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
-from helpers import moe, tiny
+from helpers import moe, spec_sampling, tiny
 from poot_core import (
     DraftPolicy,
     Driver,
@@ -214,38 +213,6 @@ def test_a_draft_of_another_vocabulary_is_refused_before_tensors_are_read(checkp
 
 
 # --- sampling: the rejection rule keeps the target's distribution ------------------------------------------
-def _sampler(seed: int) -> Sampler:
-    return Sampler(temperature=0.8, top_k=3, top_p=1.0, min_p=0.0, repeat_penalty=1.3, seed=seed)
-
-
-def _exact_joint(driver: Driver, prompt: list[int], n: int) -> dict[tuple[int, ...], float]:
-    """P(next n tokens) of the plain sampler, enumerated in float64 from the model's logits: repeat penalty over
-    the history, the 3 largest, softmax at temperature 0.8 (written out here, not the Sampler's code)."""
-    joint: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(n):
-        grown = {}
-        for seq, p in joint.items():
-            history = prompt + list(seq)
-            x = driver.logits(history)[-1].astype(np.float64)
-            recent = np.unique(history[-64:])
-            x[recent] = np.where(x[recent] > 0, x[recent] / 1.3, x[recent] * 1.3)
-            top = np.argsort(-x)[:3]
-            e = np.exp((x[top] - x[top].max()) / 0.8)
-            for t, q in zip(top, e / e.sum(), strict=True):
-                grown[(*seq, int(t))] = p * q
-        joint = grown
-    return joint
-
-
-def _chi_square_p(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float], draws: int) -> float:
-    """Goodness of fit of the observed outcomes to `joint`; outcomes expected fewer than 5 times, and any
-    outside joint's support, pooled into one bin."""
-    keys = [k for k in sorted(joint, key=lambda k: -joint[k]) if joint[k] * draws >= 5]
-    expected = np.array([joint[k] * draws for k in keys] + [draws - sum(joint[k] * draws for k in keys)])
-    observed = np.array([counts.get(k, 0) for k in keys] + [draws - sum(counts.get(k, 0) for k in keys)])
-    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
-
-
 def _perturbed(path: Path, dest: Path, noise: float) -> Path:
     """A copy of a checkpoint with noise added to every weight: a draft whose distribution overlaps the
     target's without equalling it (random weights of another seed share almost no likely token with it)."""
@@ -276,21 +243,22 @@ def test_sampling_keeps_the_target_distribution(checkpoint, policy, tmp_path):
     counts: dict[tuple[int, ...], int] = {}
     proposed = accepted = 0
     for seed in range(draws):
-        g = spec.generate(GenerateRequest(prompt, max_new=n, sampler=_sampler(seed), ignore_eos=True))
+        g = spec.generate(GenerateRequest(prompt, max_new=n, sampler=spec_sampling.sampler(seed), ignore_eos=True))
         counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
         proposed, accepted = proposed + g.timings.proposed, accepted + g.timings.accepted
     assert proposed > draws // 2 and 0 < accepted < proposed  # the rule both kept and rejected proposals
-    joint = _exact_joint(Driver(handle, ex, options), prompt, n)
+    joint = spec_sampling.exact_joint(Driver(handle, ex, options), prompt, n)
     assert set(counts) <= set(joint), "a draw outside the target's support"
-    assert _chi_square_p(counts, joint, draws) > 1e-3
+    assert spec_sampling.chi_square_p(counts, joint, draws) > 1e-3
     if policy == "draft":
         # The same test tells the draft model's own distribution apart from the target's: it can fail.
         drafting = Driver(other, ex, options)
         q_counts: dict[tuple[int, ...], int] = {}
         for seed in range(draws // 4):
-            g = drafting.generate(GenerateRequest(prompt, max_new=n, sampler=_sampler(seed), ignore_eos=True))
+            request = GenerateRequest(prompt, max_new=n, sampler=spec_sampling.sampler(seed), ignore_eos=True)
+            g = drafting.generate(request)
             q_counts[tuple(g.tokens)] = q_counts.get(tuple(g.tokens), 0) + 1
-        assert _chi_square_p(q_counts, joint, draws // 4) < 1e-6
+        assert spec_sampling.chi_square_p(q_counts, joint, draws // 4) < 1e-6
 
 
 # --- the proposers and the length choice ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import moe, tiny
+from helpers import moe, spec_sampling, tiny
 from poot_core import (
     DraftPolicy,
     Driver,
@@ -217,6 +217,32 @@ def test_sampled_requests_speculate_and_finish(checkpoint):
 
     first = run()
     assert all(len(t) == 20 for t in first) and run() == first
+
+
+def test_sampling_in_the_engine_keeps_the_target_distribution(checkpoint):
+    """Seeded draws of the next 4 tokens, 8 requests a step under prompt lookup, against the exact joint
+    distribution of the plain sampler (chi-square)."""
+    handle = ModelHandle.load(checkpoint("llama"))
+    ex = open_executor("cpu")
+    options = DriverOptions(capacity=48, prefill_chunk=32)
+    seed_prompt = handle.text().encode("The capital of")
+    # the prompt ends with the model's own greedy continuation, so that prompt lookup finds likely proposals
+    prompt = seed_prompt + Driver(handle, ex, options).generate(GenerateRequest(seed_prompt, max_new=10)).tokens
+    engine = Driver(handle, ex, DriverOptions(capacity=48, prefill_chunk=32, block_size=8, kv_blocks=64,
+                                              max_running=8, draft=DraftPolicy.PromptLookup(max_ngram=2, k=3)))
+    engine = engine.serve(Layout.PAGED)
+    n, draws = 4, 2000
+    counts: dict[tuple[int, ...], int] = {}
+    for first in range(0, draws, 8):
+        requests = [GenerateRequest(prompt, max_new=n, sampler=spec_sampling.sampler(seed), ignore_eos=True)
+                    for seed in range(first, first + 8)]
+        for g in engine.generate_batch(requests):
+            counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+    c = engine.speculation.counters
+    assert c.proposed > draws // 2 and 0 < c.accepted < c.proposed  # the rule both kept and rejected proposals
+    joint = spec_sampling.exact_joint(Driver(handle, ex, options), prompt, n)
+    assert set(counts) <= set(joint), "a draw outside the target's support"
+    assert spec_sampling.chi_square_p(counts, joint, draws) > 1e-3
 
 
 def test_mtp_is_refused_in_the_paged_layout(checkpoint, tmp_path):
