@@ -91,6 +91,23 @@ def test_paged_write_puts_each_token_in_its_block():
     assert torch.equal(k_pool.cpu(), expect_k) and torch.equal(v_pool.cpu(), expect_v)  # padding wrote nothing
 
 
+def test_few_tokens_of_a_contiguous_step_attend_through_the_paged_kernel():
+    # a verify step's tokens (3 a row here) over contiguous caches, each row's cache read as one block
+    from poot_kernels_triton.paged_step import few_tokens_attention
+
+    gen = torch.Generator().manual_seed(3)
+    rows, tokens, q_heads, kv_heads, capacity, dim = 2, 3, 4, 2, 12, 16
+    caches = [torch.randn(rows, kv_heads, capacity, dim, generator=gen).to(DEVICE) for _ in range(2)]
+    q = torch.randn(rows, tokens, q_heads, dim, generator=gen).to(DEVICE)
+    positions = torch.tensor([[5, 6, 7], [0, 1, 2]])
+    out = few_tokens_attention(q, *caches, positions.to(DEVICE), {}, scale=0.3, window=None, softcap=None)
+    seqs = torch.arange(rows).repeat_interleave(tokens)
+    ref = _reference(q.reshape(rows * tokens, q_heads, dim), *caches, positions.reshape(-1), seqs,
+                     torch.arange(rows)[:, None], 0.3, None, None)
+    assert out.shape == (rows, tokens, q_heads, dim)
+    assert rel_err(out.reshape(rows * tokens, q_heads, dim).cpu(), ref) < BOUND[torch.float32]
+
+
 # --- the serving engine on the Triton executor -----------------------------------------------------------------
 
 CAPACITY, CHUNK = 20, 4

@@ -28,7 +28,7 @@ from poot_core import (
 )
 from poot_core.graph import handled_ops
 
-from .program import Binder, TritonProgram
+from .program import GRAPH_TOKENS, Binder, TritonProgram
 from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
 
@@ -127,8 +127,8 @@ class TritonExecutor:
         # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
         # captured as CUDA graphs
         paging = graph.shape.paging
-        one_token = graph.shape.tokens == 1 if paging is None else paging.decode
-        use_graph = self.use_cuda_graphs and one_token and not binder.host_syncs
+        few_tokens = graph.shape.tokens <= GRAPH_TOKENS if paging is None else paging.decode
+        use_graph = self.use_cuda_graphs and few_tokens and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:

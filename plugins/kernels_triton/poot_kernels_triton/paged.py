@@ -205,12 +205,16 @@ def paged_decode_attention(
     require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
     require(q.stride(-1) == 1, "q needs a contiguous last dimension")
     tuning = tuning_for_device(q.device)
-    tile = tuning.decode
+    tile = tuning.paged_decode or tuning.decode
     group = q_heads // kv_heads
     capacity = tables.shape[1] * block_size
-    # splits from the table's width and the heads only: the same for a token whatever else is in the launch
-    num_splits = max(1, min(tuning.decode_programs // kv_heads, cdiv(capacity, tile.block_n)))
-    split_size = cdiv(cdiv(capacity, num_splits), tile.block_n) * tile.block_n
+    # splits from the table's width, the heads and the tuning only: the same for a token whatever else is in
+    # the launch
+    if tuning.paged_split_keys:
+        split_size = cdiv(tuning.paged_split_keys, tile.block_n) * tile.block_n
+    else:
+        num_splits = max(1, min(tuning.decode_programs // kv_heads, cdiv(capacity, tile.block_n)))
+        split_size = cdiv(cdiv(capacity, num_splits), tile.block_n) * tile.block_n
     num_splits = cdiv(capacity, split_size)
     mid_o = torch.empty((tokens, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((tokens, q_heads, num_splits), dtype=torch.float32, device=q.device)

@@ -70,6 +70,22 @@ def bind_attention(node: Node, decode_only: bool) -> Callable[[Step], None]:
     return run
 
 
+def few_tokens_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                         cache: dict, *, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """A contiguous step of a few tokens a row (q [rows, tokens, heads, dim], their k/v already in the caches
+    [rows, kv_heads, capacity, dim]) through the paged decode kernel: each row's cache is one block of the whole
+    capacity, so every token attends to its row's keys 0 .. its position with nothing read on the host."""
+    rows, tokens = q.shape[0], q.shape[1]
+    index = cache.get("few_tokens")
+    if index is None:  # the rows' one-block tables and each token's row, made once per step
+        rows_of = torch.arange(rows, device=q.device)
+        index = cache["few_tokens"] = (rows_of.repeat_interleave(tokens), rows_of[:, None].contiguous())
+    seqs, tables = index
+    out = paged_decode_attention(q.reshape(rows * tokens, q.shape[2], q.shape[3]), k_cache, v_cache,
+                                 positions.reshape(-1), seqs, tables, scale=scale, window=window, softcap=softcap)
+    return out.reshape(q.shape[0], tokens, q.shape[2], -1)
+
+
 Chunk = tuple[int, int, torch.Tensor, int, int]  # tokens [t0, t1), their blocks, start and kv_len in those blocks
 
 
@@ -90,4 +106,4 @@ def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, wind
     return (torch.as_tensor(decode, device=device) if decode else None), chunks
 
 
-__all__ = ["bind_attention"]
+__all__ = ["bind_attention", "few_tokens_attention"]

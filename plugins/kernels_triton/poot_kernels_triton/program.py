@@ -4,8 +4,9 @@ Device-neutral: the same binding serves NVIDIA (CUDA) and AMD (ROCm, where torch
 Triton compiles for HIP). Activations between matmuls are the weights' 16-bit dtype; the residual stream
 (embed output and every add feeding it) is float32, as on the CPU executor. An add followed by an rms_norm
 of its sum runs as one fused kernel, and linears that read one input through weights the device can join
-run as one product (both found by poot_core.graph.passes). Steps of one token per row are captured once as
-a CUDA graph (a HIP graph on ROCm, through the same torch.cuda API) and replayed.
+run as one product (both found by poot_core.graph.passes). Steps of a few tokens per row (decode, speculative
+verify) and paged steps of decode tokens only are captured as a CUDA graph (a HIP graph on ROCm, through the
+same torch.cuda API) and replayed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 ROPE_STYLES = frozenset({"neox", "interleaved"})
+# contiguous steps of up to this many tokens a row (decode, a speculative verify step, the short tail of a
+# prompt) read no input on the host, so they are replayed as CUDA graphs; above it, prefill attention takes
+# each row's start position from the host
+GRAPH_TOKENS = 16
 
 
 @dataclass
@@ -251,6 +256,10 @@ class Binder:
                     lens = s.cache["kv_lens"] = pos[:, 0] + 1
                 o = ktr.decode_attention(q[:, 0], kc, vc, lens, scale=scale, window=window, softcap=softcap)
                 s.env[out] = o.reshape(shape)
+                return
+            if tokens <= GRAPH_TOKENS:
+                s.env[out] = paged_step.few_tokens_attention(q, kc, vc, pos, s.cache, scale=scale, window=window,
+                                                             softcap=softcap).reshape(shape)
                 return
             outs = []
             for r in range(rows):
@@ -495,9 +504,9 @@ class Binder:
 
 
 class TritonProgram:
-    """Runs the bound steps. A step of one token per row (or a paged step of decode tokens only) is captured
-    once (per state object) as a CUDA graph whose inputs are copied into one fixed device buffer before each
-    replay. With a `tuning`, every
+    """Runs the bound steps. A step of up to GRAPH_TOKENS tokens a row (or a paged step of decode tokens only)
+    is captured at its second run (per state object) as a CUDA graph whose inputs are copied into one fixed
+    device buffer before each replay. With a `tuning`, every
     launch (eager or captured) uses that target's tiles instead of the ones the device would pick."""
 
     def __init__(
@@ -515,6 +524,7 @@ class TritonProgram:
             start = self._spans[-1][2] if self._spans else 0
             self._spans.append((name, start, start + int(np.prod(graph.inputs[name].shape))))
         self._cuda_graph: torch.cuda.CUDAGraph | None = None
+        self._ran_once = False
         self._graph_state: Any = None
         self._static_in: torch.Tensor | None = None
         self._host_in: torch.Tensor | None = None
@@ -546,6 +556,9 @@ class TritonProgram:
                 env: dict[str, Any] = dict(self._device_inputs(inputs))
                 return self._eager(state, env, inputs)
             if self._cuda_graph is None or self._graph_state is not state:
+                if not self._ran_once:  # a shape run once (a short prompt's prefill) is not worth a capture
+                    self._ran_once = True
+                    return self._eager(state, dict(self._device_inputs(inputs)), inputs)
                 self._capture(state, inputs)
             self._load_inputs(inputs)
             self._cuda_graph.replay()

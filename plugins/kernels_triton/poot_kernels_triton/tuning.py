@@ -64,6 +64,11 @@ class Tuning:
     # hipBLASLt), whose kernels choose tiles and split-K by shape; 0: never (the interpreter, targets where it was
     # not measured). Fewer rows take the GEMV kernel either way.
     vendor_gemm_rows: int = 0
+    # paged decode attention (serving steps): its tile (None: `decode`'s) and the keys one split of a token
+    # covers (0: split to fill decode_programs for one token). A fixed split keeps a token's arithmetic the
+    # same whatever else is in the launch; many tokens a launch then fill the device without deep splits.
+    paged_decode: Tile | None = None
+    paged_split_keys: int = 0
 
 
 
@@ -136,8 +141,14 @@ _HOPPER = Tuning(
     planes_gemm=Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     planes_table=dict(HOPPER_PLANES),
     planes_programs=528,  # 4 per SM
-    # cuBLAS against the Triton GEMM on the H200, Llama-3-8B projections: see bench/gemm_probe.py
+    # cuBLAS against the Triton GEMM on the H200, Llama-3-8B projections: 1.4-3.4x faster from 8 to 4096 rows
+    # (bench/gemm_probe.py, 2026-12-01)
     vendor_gemm_rows=5,
+    # bench/paged_probe.py (2026-12-01, the 8B heads): against the decode tile split to fill the device, 128 keys
+    # a tile and splits of 512 keys took 1 token at 768 positions from 272 to 175 us, 64 at 768 from 220 to 220,
+    # 256 at 1088 from 680 to 474 and 256 at 4000 from 1567 to 1243 (the best single setting over the four)
+    paged_decode=Tile(block_m=16, block_n=128, num_warps=4, num_stages=2),
+    paged_split_keys=512,
 )
 
 _AMPERE = Tuning(
