@@ -95,6 +95,8 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(1 + len(seq.draft), budget)  # with its draft, if any: as much of it as the budget holds
+            if n > 1 and self.pool.blocks_for(seq.computed + n) - len(seq.blocks) > self.pool.available:
+                n = 1  # draft tokens never preempt anyone: they run only in blocks the pool has to spare
             if seq in self.running and seq.pending == 1 and self._reserve(seq, seq.computed + n, chosen):
                 chosen[seq] = n
                 del seq.draft[n - 1 :]

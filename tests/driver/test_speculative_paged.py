@@ -181,6 +181,20 @@ def test_rejected_blocks_go_back_and_a_cached_prefix_stays_exact(checkpoint):
     assert again.tokens == solo.generate(GenerateRequest(follow, max_new=16, ignore_eos=True)).tokens
 
 
+def test_a_pool_too_small_for_every_sequence_preempts_and_stays_exact(checkpoint):
+    """Drafts take only blocks the pool has to spare; sequences preempted for the plain tokens of others are
+    recomputed and still give their plain tokens."""
+    handle = ModelHandle.load(checkpoint("llama"))
+    ex = open_executor("cpu")
+    requests = [GenerateRequest(p, max_new=30, ignore_eos=True) for p in _prompts(handle)]
+    solo = Driver(handle, ex, DriverOptions(capacity=OPTIONS["capacity"], prefill_chunk=16))
+    plain = [solo.generate(r).tokens for r in requests]
+    engine = _engine(handle, DraftPolicy.PromptLookup(k=6), ex, block_size=4, kv_blocks=40, prefix_cache=False)
+    assert [g.tokens for g in engine.generate_batch(requests)] == plain
+    assert engine.counters().preemptions > 0 and engine.speculation.counters.accepted > 0
+    assert engine.pool.held == 0
+
+
 def test_no_speculation_above_draft_max_batch(checkpoint):
     handle = ModelHandle.load(checkpoint("llama"))
     ex = open_executor("cpu")
