@@ -40,6 +40,7 @@ from poot_core import (  # noqa: E402
 from poot_kernels_triton import TUNINGS, record_launches  # noqa: E402
 
 PROMPT = [int(i) for i in np.random.default_rng(12).integers(3, 250, 24)]
+PREFILL = 20  # over the steps of a few tokens (GRAPH_TOKENS), which attend through the paged decode kernel
 TARGETS = {"gfx942": 64, "gfx90a": 64, "gfx1100": 32}  # architecture -> wavefront width
 PLENTY = {"total": 1 << 40, "free": 1 << 40}
 
@@ -77,12 +78,12 @@ def test_the_binding_launches_with_the_architectures_tiles(tiny_checkpoint, arch
     """Not the interpreter's tiles nor the H200's: the recorded launches carry the AMD entry's settings."""
     handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
     ex = interpreted(arch)
-    driver = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=8))
+    driver = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=PREFILL))
     tuning = TUNINGS[ARCHITECTURES[arch].tuning]
     with record_launches() as prefill:
-        driver._run(PROMPT[:8], 0, False)
+        driver._run(PROMPT[:PREFILL], 0, False)
     with record_launches() as decode:
-        driver._run(PROMPT[8:9], 8, False)
+        driver._run(PROMPT[PREFILL : PREFILL + 1], PREFILL, False)
     by_kernel = {}
     for launch in prefill + decode:
         by_kernel.setdefault(launch.kernel.fn.__name__, []).append(launch)
@@ -111,10 +112,11 @@ def record_rocm_launches(arch: str, checkpoints: list[str]) -> list:
     for path in checkpoints:
         handle = ModelHandle.load(path)
         ex = interpreted(arch)
-        driver = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=8))
+        driver = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=PREFILL))
         with record_launches() as recorded:
-            driver._run(PROMPT[:8], 0, False)
-            out = driver._run(PROMPT[8:9], 8, False)
+            driver._run(PROMPT[:PREFILL], 0, False)
+            out = driver._run(PROMPT[PREFILL : PREFILL + 1], PREFILL, False)
+            driver._run(PROMPT[PREFILL + 1 :], PREFILL + 1, False)  # a few tokens: the paged decode kernel
             try:
                 ex.greedy_token(out)
             except (TypeError, RuntimeError, ValueError):
@@ -183,6 +185,7 @@ def test_every_launch_of_the_rocm_binding_compiles_ahead_of_time(arch, aot_check
         "attention._prefill_kernel",
         "attention._decode_split_kernel",
         "attention._decode_reduce_kernel",
+        "paged._paged_decode_split_kernel",
         "planes._planes_gemv_kernel",
         "planes._planes_gemm_kernel",
         "matmul._gemv_kernel",
