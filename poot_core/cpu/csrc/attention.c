@@ -21,19 +21,31 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* o[0..n) += w * v[0..n) */
-static inline void axpy_f32(float *o, float w, const float *v, int64_t n) {
+/* o[0..n) += w[j] * v[j * n ..] for the rows j < count in order: each value of o one chain of multiply-adds
+   (fused where the machine has FMA) in row order, held in registers across the rows. */
+static inline void axpy_rows_f32(float *o, const float *w, const float *v, int64_t count, int64_t n) {
     int64_t i = 0;
-#ifdef __AVX512F__
-    const __m512 wv = _mm512_set1_ps(w);
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
-#elif POOT_AVX2
-    const __m256 wv = _mm256_set1_ps(w);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+#if POOT_AVX2
+    for (; i + 64 <= n; i += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c);
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 wj = _mm256_set1_ps(w[j]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * n + i + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, a[c]);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_loadu_ps(o + i);
+        for (int64_t j = 0; j < count; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * n + i), a);
+        _mm256_storeu_ps(o + i, a);
+    }
 #endif
-    for (; i < n; i++) o[i] += w * v[i];
+    for (; i < n; i++) {
+        float a = o[i];
+        for (int64_t j = 0; j < count; j++) a += w[j] * v[j * n + i];
+        o[i] = a;
+    }
 }
 
 /* s[i] = exp(s[i] - top) for i < n, returning the sum (exp16 or exp8 of common.h; expf for the tail). */
@@ -111,7 +123,7 @@ void poot_attend_few(const float *q, const float *k, const float *v, int64_t row
         const float inv = 1.0f / exp_shifted(s, n, top);
         float *o = out + u * dv;
         for (int64_t d = 0; d < dv; d++) o[d] = 0.0f;
-        for (int64_t j = 0; j < n; j++) axpy_f32(o, s[j], vb + j * dv, dv);
+        axpy_rows_f32(o, s, vb, n, dv);
         for (int64_t d = 0; d < dv; d++) o[d] *= inv;
     }
 }
@@ -162,7 +174,7 @@ void poot_attend_paged(const float *q, const float *k, const float *v, int64_t n
         for (int64_t j = first; j <= p;) {
             const int64_t off = j % block, run = (block - off < p + 1 - j) ? block - off : p + 1 - j;
             const float *vb = v_pool + ((table[j / block] * kv_heads + g) * block + off) * dv;
-            for (int64_t t = 0; t < run; t++) axpy_f32(o, s[j - first + t], vb + t * dv, dv);
+            axpy_rows_f32(o, s + j - first, vb, run, dv);
             j += run;
         }
         for (int64_t d = 0; d < dv; d++) o[d] *= inv;
