@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import moe, spec_sampling, tiny
+from helpers import moe, spec_models, spec_sampling
+from helpers.spec_models import DENSE, MOE, PLAIN, PROBES, REPEATING
 from poot_core import (
     DraftPolicy,
     Driver,
@@ -28,27 +29,13 @@ from poot_core import (
 )
 from poot_core.driver.engine import FinishedEvent
 
-DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
-REPEATING = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
-PLAIN = [(5 * i + 11) % 240 + 3 for i in range(24)]  # no token twice
-PROBES = [REPEATING, "The capital of France is Paris. The capital of Italy is", "Once upon a time there was a cat"]
 OPTIONS = dict(capacity=160, prefill_chunk=16, block_size=8, kv_blocks=96, max_running=8)
-
-_BUILT: dict[tuple[str, int], Path] = {}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    def make(arch: str, seed: int = 0) -> Path:
-        key = (arch, seed)
-        if key not in _BUILT:
-            path = tmp_path_factory.mktemp(f"{arch}-{seed}")
-            builder = moe.build if arch in MOE else tiny.build
-            _BUILT[key] = builder(path, arch, torch.float32, seed)
-        return _BUILT[key]
-
-    return make
+    """checkpoint(arch, seed) -> a tiny float32 checkpoint of any family; seeds give other weights, one vocabulary."""
+    return spec_models.checkpoint_maker(tmp_path_factory)
 
 
 def _engine(handle, draft, ex, **extra):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers as tf
 
-from helpers import tiny
+from helpers import hybrid, tiny
 from helpers.paths import TESTDATA, fetched
 from poot_core import (
     CheckpointError,
@@ -25,12 +25,10 @@ from poot_core import (
     GenerateRequest,
     Layout,
     ModelHandle,
-    Reason,
     StepShape,
     Unsupported,
     open_executor,
 )
-from poot_core.graph import passes
 
 ARCHS = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "granite_rope", "bamba"]
 # Longer than prefill_chunk (16) and than Mamba2's scan chunk (8), not a multiple of either.
@@ -120,17 +118,7 @@ def test_paged_layout_and_speculation_are_refused_by_name(hybrid_checkpoint, arc
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(hybrid_checkpoint, arch):
-    graph = driver(hybrid_checkpoint(arch)).program(StepShape(1, 1, 128)).graph
-    used = sorted(graph.ops() & passes.HYBRID_OPS)
-    assert used
-    pytest.importorskip("triton")
-    from poot_kernels_triton.executor import TritonExecutor
-
-    with pytest.raises(Unsupported) as refused:
-        TritonExecutor.on_interpreter().prepare(graph, None)
-    assert refused.value.reason is Reason.OPERATION and refused.value.name in used
-    vulkan = pytest.importorskip("poot_backend_vulkan.program")
-    assert not set(used) & vulkan.VULKAN_OPS
+    hybrid.assert_gpu_backends_refuse(driver(hybrid_checkpoint(arch)).program(StepShape(1, 1, 128)).graph)
 
 
 def test_granite_experts_are_views_of_the_joined_tensors(hybrid_checkpoint, tmp_path):

@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3next
 
-from helpers import tiny
+from helpers import hybrid, tiny
 from helpers.paths import TESTDATA, fetched
 from poot_core import (
     CheckpointError,
@@ -28,7 +28,6 @@ from poot_core import (
     Layout,
     ModelHandle,
     PackedWeight,
-    Reason,
     StepShape,
     Unsupported,
     open_executor,
@@ -112,16 +111,7 @@ def test_state_of_each_layer_and_refusals(hybrid_checkpoint):
 
 def test_triton_and_vulkan_refuse_the_delta_rule_by_name(hybrid_checkpoint):
     graph = driver(hybrid_checkpoint("qwen3next")).program(StepShape(1, 1, 256)).graph
-    used = sorted(graph.ops() & passes.HYBRID_OPS)
-    assert "gated_delta" in used
-    pytest.importorskip("triton")
-    from poot_kernels_triton.executor import TritonExecutor
-
-    with pytest.raises(Unsupported) as refused:
-        TritonExecutor.on_interpreter().prepare(graph, None)
-    assert refused.value.reason is Reason.OPERATION and refused.value.name in used
-    vulkan = pytest.importorskip("poot_backend_vulkan.program")
-    assert not set(used) & vulkan.VULKAN_OPS
+    assert "gated_delta" in hybrid.assert_gpu_backends_refuse(graph)
 
 
 def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp_path):
