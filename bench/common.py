@@ -7,6 +7,7 @@ import ctypes
 import gc
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -147,6 +148,21 @@ def greedy_generate(executor: Any, pre: Any, dec: Any, state: Any, ids: np.ndarr
         tokens.append(token)
     sync()
     return t1 - t0, time.perf_counter() - t1, tokens
+
+
+def synced_ms(fn: Any, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall milliseconds of fn() with the GPU synchronized before and after each call: what a caller
+    waits for (host work, copies and the device's work together)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
 
 
 def log(*args: Any) -> None:

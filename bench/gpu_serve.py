@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -190,16 +189,7 @@ def decode_step_ms(engine: Any, width: int, context: int, reps: int = 20) -> flo
     """Median ms of one engine decode step of `width` sequences at `context` positions each (the step's
     inputs copied in, the replay, the logits copied out), through the engine's own program for that shape."""
     prog, inputs = probe_step(engine, width, 1, context)
-    for _ in range(3):
-        prog.run(engine._state, inputs)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        prog.run(engine._state, inputs)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return common.synced_ms(lambda: prog.run(engine._state, inputs), reps=reps)
 
 
 def profiles(engine: Any, n: int, prompt: int, new: int, chunk: int) -> dict[str, dict[str, float]]:

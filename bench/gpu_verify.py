@@ -11,9 +11,7 @@ Prints ms per step and the ratio (target for width 9, a k=8 draft: <= 1.3x); wri
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,16 +27,8 @@ import common  # noqa: E402
 def step_ms(prog, state, tokens: int, context: int, reps: int = 30) -> float:
     inputs = {"tokens": np.ones((1, tokens), dtype=np.int64),
               "positions": np.arange(context, context + tokens, dtype=np.int64)[None, :]}
-    for _ in range(3):  # eager, then the capture, then a replay
-        prog.run(state, inputs)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        prog.run(state, inputs)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    # three warm-up runs: eager, then the capture, then a replay
+    return common.synced_ms(lambda: prog.run(state, inputs), reps=reps, warmup=3)
 
 
 def main() -> int:

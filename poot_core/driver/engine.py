@@ -291,14 +291,17 @@ class ServingDriver:
                 and req.logprobs is None and req.request.sampler.is_greedy)
 
     def _sample(self, batch: list[tuple[Sequence, int]], out: Output) -> list[Event]:
-        picking = [(slot, self._requests[seq.id]) for slot, (seq, _) in enumerate(batch) if not seq.pending]
-        # seq.pending: a prefill chunk short of the prompt's end, nothing to pick yet
-        greedy = self._greedy_rows(out) if any(self._on_device(r) for _, r in picking) else None
-        logits = None if all(self._on_device(r) for _, r in picking) else self.driver.executor.to_numpy(out)[0]
+        picking = []  # (slot, request, whether its token is the device's argmax)
+        for slot, (seq, _) in enumerate(batch):
+            if not seq.pending:  # pending: a prefill chunk short of the prompt's end, nothing to pick yet
+                req = self._requests[seq.id]
+                picking.append((slot, req, self._on_device(req)))
+        greedy = self._greedy_rows(out) if any(dev for _, _, dev in picking) else None
+        logits = None if all(dev for _, _, dev in picking) else self.driver.executor.to_numpy(out)[0]
         events: list[Event] = []
-        for slot, req in picking:
+        for slot, req, on_device in picking:
             try:
-                if greedy is not None and self._on_device(req):
+                if on_device:
                     events.extend(self._accept(req, int(greedy[slot])))
                     continue
                 if self.keep_logits:

@@ -84,14 +84,12 @@ def _refused_by(cls: type, backend: str) -> None:
 
 
 def test_triton_refuses_it_by_name():
-    pytest.importorskip("triton")
     from poot_kernels_triton.executor import Binder
 
     _refused_by(Binder, "triton")
 
 
 def test_vulkan_refuses_it_by_name():
-    pytest.importorskip("wgpu")
     from poot_backend_vulkan.program import VulkanProgram
 
     _refused_by(VulkanProgram, "vulkan")
