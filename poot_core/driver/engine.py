@@ -182,17 +182,18 @@ class ServingDriver:
                                 f"{where}: {cap} positions; raise the capacity or the pool, or shorten it")
         return prompt
 
-    def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None) -> int:
+    def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None,
+               tenant: str | None = None) -> int:
         """Queue a request; returns its id. A request that can never fit is a CapacityError here, a constraint
-        that does not compile a RequestError."""
+        that does not compile a RequestError. Admission is fair between the tenants of one priority."""
         prompt = self._check(request)
-        return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt)
+        return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt, tenant)
 
     def _submit(self, request: GenerateRequest, prompt: list[int], matcher: Matcher | None, priority: int = 0,
-                cache_salt: str | None = None) -> int:
+                cache_salt: str | None = None, tenant: str | None = None) -> int:
         rid = self._next_id
         self._next_id += 1
-        seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, arrival=rid)
+        seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, tenant=tenant, arrival=rid)
         limit = request.max_new if request.max_new >= 0 else self.capacity - len(prompt)
         req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
                        StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter(),

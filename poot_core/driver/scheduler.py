@@ -3,8 +3,11 @@ blocks.
 
 Each step has a token budget and a limit on running sequences. Running sequences that decode go first (one
 token each, oldest first), then prefill chunks of running sequences, then waiting requests are admitted in
-order of priority, first come first served within one (a request that does not fit yet holds back those
-behind it). When a running sequence needs a block and the pool has none, the newest running sequence is
+order of priority, first come first served within one tenant (a request that does not fit yet holds back those
+behind it). Between tenants of one priority the next admission goes to the tenant with the fewest sequences
+running, then to the one admitted longest ago (round robin), so a tenant that floods the queue gets its share
+of the running slots and no more; without tenants (all None) this is plain first come, first served.
+When a running sequence needs a block and the pool has none, the newest running sequence is
 preempted: its blocks are given back and it waits again, keeping its tokens, so that it is recomputed later
 and finishes as it would have. A sequence's tokens are its prompt and what it generated; `computed` of them
 have their K/V in its blocks.
@@ -25,6 +28,7 @@ class Sequence:
     tokens: list[int]
     priority: int = 0
     salt: str | None = None
+    tenant: str | None = None  # whose request: admission is fair between tenants of one priority
     arrival: int = 0  # submission order
     computed: int = 0  # tokens whose K/V is in the blocks
     blocks: list[int] = field(default_factory=list)
@@ -58,6 +62,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept in order()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.preemptions = 0
+        self._admissions = 0  # admissions so far, and each tenant's last one (its turn in the round robin)
+        self._last_admitted: dict[str | None, int] = {}
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -111,13 +117,31 @@ class Scheduler:
                     chosen[seq] = n
         budget = self.limits.step_tokens - sum(chosen.values())
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             n = self._admit(seq, budget)
             if n == 0:
                 break  # first come, first served: nothing behind it goes first
             chosen[seq] = n
             budget -= n
         return list(chosen.items())
+
+    def _next_waiting(self) -> Sequence:
+        """The request to admit next: of the highest priority waiting, each tenant's oldest is a candidate, and
+        the tenant with the fewest running sequences wins, then the one whose last admission is the oldest, then
+        the earliest arrival."""
+        top = self.waiting[0].priority
+        heads: dict[str | None, Sequence] = {}
+        for seq in self.waiting:
+            if seq.priority != top:
+                break
+            heads.setdefault(seq.tenant, seq)
+        if len(heads) == 1:
+            return self.waiting[0]
+        running: dict[str | None, int] = {}
+        for seq in self.running:
+            running[seq.tenant] = running.get(seq.tenant, 0) + 1
+        return min(heads.values(), key=lambda s: (running.get(s.tenant, 0), self._last_admitted.get(s.tenant, -1),
+                                                  s.arrival))
 
     def _reserve(self, seq: Sequence, positions: int, chosen: dict[Sequence, int]) -> bool:
         """Blocks for `positions` positions of a running sequence, preempting the newest others when the pool
@@ -159,6 +183,8 @@ class Scheduler:
             seq.blocks.append(self.pool.allocate())
         self.waiting.remove(seq)
         self.running.append(seq)
+        self._last_admitted[seq.tenant] = self._admissions
+        self._admissions += 1
         return n
 
     def _cached_prefix(self, seq: Sequence, count: bool) -> list[int]:

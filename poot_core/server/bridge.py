@@ -61,6 +61,7 @@ class Ticket:
     request: GenerateRequest
     priority: int = 0
     salt: str | None = None
+    tenant: str | None = None  # the scheduler shares admissions fairly between tenants of one priority
     on_item: Callable[[Ticket, Item], None] | None = None  # runs in the loop, before the item is queued
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
@@ -173,7 +174,8 @@ class EngineBridge:
             self._push(ticket, Rejected(RuntimeError("the server is shutting down")))
             return
         try:
-            rid = self.engine.submit(ticket.request, priority=ticket.priority, cache_salt=ticket.salt)
+            rid = self.engine.submit(ticket.request, priority=ticket.priority, cache_salt=ticket.salt,
+                                     tenant=ticket.tenant)
         except PootError as exc:
             self._push(ticket, Rejected(exc))
             return

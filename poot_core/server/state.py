@@ -96,7 +96,8 @@ class ServerState:
         self.accepted += n
         loop = asyncio.get_running_loop()
         account = _Accounting(self, tenant)
-        tickets = [Ticket(loop, r, tenant.priority, tenant.salt if self.keys else None, account) for r in requests]
+        tickets = [Ticket(loop, r, tenant.priority, tenant.salt if self.keys else None, tenant.name, account)
+                   for r in requests]
         for t in tickets:
             loaded.bridge.submit(t)
         for t in tickets:  # every one accepted, or the whole request is refused
