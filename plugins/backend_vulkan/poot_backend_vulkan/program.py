@@ -36,7 +36,7 @@ from .kernels import linear as lin
 from .kernels import moe as moe_kernels
 from .kernels import norms, positional
 from .kernels.runtime import DeviceArray, Runtime, grid_1d, pack_params, shader_source
-from .kernels.weights import DeviceWeight
+from .kernels.weights import DeviceWeight, ExpertStack
 from .replay import Emitter, RecordedStep, Recorder, Slot
 from .upload import DeviceWeights
 
@@ -431,10 +431,11 @@ class VulkanProgram:
         return found
 
     def op_moe(self, node: Node) -> Emitter:
-        """Routing on the device (softmax top-k into a dense row of weights per token), then every expert's
-        gated MLP over the step's tokens, each added in with its weight (zero where the expert was not chosen):
-        correct, and recordable once per step, but it reads every expert's weights, so its cost follows the
-        total parameters, not the active ones."""
+        """Routing on the device (softmax top-k: a dense row of weights per token, and the chosen experts' ids
+        and weights), then the experts. When the step has no more (token, chosen expert) slots than experts
+        (decode) and the experts lie in stacks (upload.EXPERT_STACKS), two gathered dispatches run only the
+        chosen experts' rows: the cost follows the active parameters. Otherwise every expert's gated MLP runs
+        over the step's tokens and is added in with its weight (zero where the expert was not chosen)."""
         a = node.attrs
         if a["scoring"] != "softmax" or int(a.get("groups", 1)) > 1 or node.inputs[2]:
             raise Unsupported(Reason.OPERATION, f"moe routing {a['scoring']}, groups {a.get('groups', 1)}",
@@ -451,24 +452,39 @@ class VulkanProgram:
         experts = [tuple(self._matrix(node, 5 + 3 * e + j) for j in range(3)) for e in range(count)]
         width, inter = router.cols, experts[0][0].rows
         tokens = x.size // width
+        top_k, norm, scale = int(a["top_k"]), bool(a["norm_topk"]), float(a["routed_scale"])
         out = self._new(node)
         flat_x, flat_out = _view(x, (tokens, width)), _view(out, (tokens, width))
         logits, weights = self._scratch("logits", (tokens, count)), self._scratch("weights", (tokens, count))
-        gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
-        h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+        ids = self._scratch("ids", (tokens, top_k))
+        ids = DeviceArray(ids.buffer, ids.shape, "u32")
+        chosen = self._scratch("chosen", (tokens, top_k))
+        stacks = self._expert_stacks(node, count) if tokens * top_k <= count else None
         shared_flat = None if shared is None else _view(shared, (tokens, width))
         shared_w = None if shared_gate is None else self._scratch("shared_gate", (tokens, 1))
-        top_k, norm, scale = int(a["top_k"]), bool(a["norm_topk"]), float(a["routed_scale"])
+        if stacks is not None:
+            gate_up, down = stacks
+            h = self._scratch("gathered_h", (tokens * top_k, inter))
+
+            def run_experts(rec: Recorder) -> None:
+                moe_kernels.gate_up(rec, flat_x, gate_up, ids, h, a["act"])
+                moe_kernels.down(rec, h, down, ids, chosen, flat_out)
+        else:
+            gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
+            h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+
+            def run_experts(rec: Recorder) -> None:
+                for e, (w_gate, w_up, w_down) in enumerate(experts):
+                    lin.linear(rec, flat_x, w_gate, gate)
+                    lin.linear(rec, flat_x, w_up, up)
+                    ew.gated_activation(rec, gate, up, h, a["act"])
+                    lin.linear(rec, h, w_down, y)
+                    moe_kernels.accumulate(rec, weights, e, y, flat_out, moe_kernels.ASSIGN if e == 0 else 0)
 
         def emit(rec: Recorder, start: int) -> None:
             lin.linear(rec, flat_x, router, logits)
-            moe_kernels.route(rec, logits, weights, top_k, norm, scale)
-            for e, (w_gate, w_up, w_down) in enumerate(experts):
-                lin.linear(rec, flat_x, w_gate, gate)
-                lin.linear(rec, flat_x, w_up, up)
-                ew.gated_activation(rec, gate, up, h, a["act"])
-                lin.linear(rec, h, w_down, y)
-                moe_kernels.accumulate(rec, weights, e, y, flat_out, moe_kernels.ASSIGN if e == 0 else 0)
+            moe_kernels.route(rec, logits, weights, top_k, norm, scale, ids, chosen)
+            run_experts(rec)
             if shared_flat is not None and shared_w is not None and shared_gate is not None:
                 lin.linear(rec, flat_x, shared_gate, shared_w)
                 moe_kernels.accumulate(rec, shared_w, 0, shared_flat, flat_out, moe_kernels.SIGMOID)
@@ -476,6 +492,21 @@ class VulkanProgram:
                 moe_kernels.accumulate(rec, shared_flat, 0, shared_flat, flat_out, moe_kernels.UNIT)
 
         return emit
+
+    def _expert_stacks(self, node: Node, count: int) -> tuple[ExpertStack, ExpertStack] | None:
+        """The (gate/up, down) stacks that hold this moe node's experts in order, or None when the upload kept
+        them apart (names outside upload.EXPERT_STACKS, or an expert larger than one binding)."""
+        where = [[self.weights.stacked.get(str(node.inputs[5 + 3 * e + j].name)) for j in range(3)]
+                 for e in range(count)]
+        if any(w is None for row in where for w in row):
+            return None
+        gate_up, down = where[0][0][0], where[0][2][0]
+        for e, (g, u, d) in enumerate(where):
+            if g != (gate_up, e, 0) or u != (gate_up, e, 1) or d != (down, e, 0):
+                return None
+        if gate_up.experts != count or down.experts != count:
+            return None
+        return gate_up, down
 
     def op_last_position(self, node: Node) -> Emitter:
         x = self._value(node, 0)

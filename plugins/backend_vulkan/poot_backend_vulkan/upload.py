@@ -7,6 +7,7 @@ a negligible share of the bytes (the CPU executor widens them the same way).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from poot_core import PackedWeight, Reason, Unsupported, weight_kind
 
 from .kernels.runtime import DeviceArray, Runtime
-from .kernels.weights import FORMATS, DeviceWeight, row_range, upload_weight
+from .kernels.weights import FORMATS, DeviceWeight, ExpertStack, row_range, upload_stack, upload_weight
 
 DENSE_FORMATS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 GGUF_TYPES = tuple(name for name in FORMATS if name.startswith("Q"))
@@ -24,6 +25,12 @@ WEIGHT_KINDS = frozenset(DENSE_FORMATS) | frozenset(f"gguf.{t}" for t in GGUF_TY
 # Matrices that read the same input, stored one after another in one buffer so that a one-token step
 # reads them in one dispatch; each stays addressable alone as a row range of the concatenation.
 CONCATENATED = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("gate_proj.weight", "up_proj.weight"))
+# A MoE layer's experts ("<prefix>experts.<e>.<suffix>"), stacked so that one dispatch reaches any chosen
+# expert: gate and up of each expert side by side in one stack, down in another (Hugging Face's names and
+# Mixtral's w1/w3/w2). Each expert's matrix stays addressable alone as a row range of its stack.
+EXPERT_STACKS = (("gate_proj.weight", "up_proj.weight"), ("down_proj.weight",), ("w1.weight", "w3.weight"),
+                 ("w2.weight",))
+_EXPERT = re.compile(r"^(?P<prefix>.*experts\.)(?P<index>\d+)\.(?P<suffix>.+)$")
 
 
 @dataclass
@@ -37,6 +44,8 @@ class DeviceWeights:
     skipped: dict[str, str] = field(default_factory=dict)
     # (part names in row order) -> their concatenation; matrices[part] is a row range of it
     concatenated: dict[tuple[str, ...], DeviceWeight] = field(default_factory=dict)
+    # an expert's matrix -> (its stack, the expert, which part of the expert's rows)
+    stacked: dict[str, tuple[ExpertStack, int, int]] = field(default_factory=dict)
 
     def concatenation_of(self, name: str) -> tuple[tuple[str, ...], DeviceWeight] | None:
         for names, weight in self.concatenated.items():
@@ -96,11 +105,52 @@ def _groups(store: Any, names: list[str]) -> list[tuple[str, ...]]:
     return found
 
 
+def _expert_stacks(store: Any, names: list[str]) -> list[list[tuple[str, ...]]]:
+    """The EXPERT_STACKS present in full: per stack, each expert's part names (experts 0..E-1, every part 2-D,
+    one format and row length in the whole stack, the same rows for a part in every expert)."""
+    experts: dict[str, set[int]] = {}
+    for name in names:
+        found = _EXPERT.match(name)
+        if found:
+            experts.setdefault(found["prefix"], set()).add(int(found["index"]))
+    stacks = []
+    present = set(names)
+    for prefix, indices in experts.items():
+        if indices != set(range(len(indices))):
+            continue
+        for suffixes in EXPERT_STACKS:
+            members = [tuple(f"{prefix}{e}.{s}" for s in suffixes) for e in range(len(indices))]
+            if not all(n in present for parts in members for n in parts):
+                continue
+            ws = [[store.get(n) for n in parts] for parts in members]
+            flat = [w for parts in ws for w in parts]
+            if any(len(w.shape) != 2 for w in flat) or len({(weight_kind(w), int(w.shape[1])) for w in flat}) != 1:
+                continue
+            if len({tuple(int(w.shape[0]) for w in parts) for parts in ws}) == 1:
+                stacks.append(members)
+    return stacks
+
+
 def upload_store(runtime: Runtime, store: Any) -> DeviceWeights:
     out = DeviceWeights()
     names = list(store.names())
     grouped: set[str] = set()
-    for group in _groups(store, names):
+    for members in _expert_stacks(store, names):
+        first = store.get(members[0][0])
+        host = [[_host_matrix(n, store.get(n)) for n in parts] for parts in members]
+        stack = upload_stack(runtime, [[data for data, _ in parts] for parts in host], host[0][0][1],
+                             int(first.shape[1]))
+        del host
+        if stack is None:  # an expert larger than one binding: its matrices stay apart
+            continue
+        for e, parts in enumerate(members):
+            at = e * stack.per_expert
+            for part, (name, rows) in enumerate(zip(parts, stack.part_rows, strict=True)):
+                out.matrices[name] = row_range(stack.weight, at, at + rows)
+                out.stacked[name] = (stack, e, part)
+                at += rows
+            grouped.update(parts)
+    for group in _groups(store, [n for n in names if n not in grouped]):
         parts = [_host_matrix(n, store.get(n)) for n in group]
         fmt = parts[0][1]
         rows = [int(store.get(n).shape[0]) for n in group]

@@ -29,7 +29,8 @@ def _elementwise(
     check(f"{op}.b", b, a.shape)
     check(f"{op}.out", out, a.shape)
     expression = expression or _COMBINE[op]
-    source = shader_source("elementwise") + f"\nfn combine(a: f32, b: f32) -> f32 {{ return {expression}; }}\n"
+    source = shader_source("activations", "elementwise")
+    source += f"\nfn combine(a: f32, b: f32) -> f32 {{ return {expression}; }}\n"
     pipeline = batch.runtime.pipeline("elementwise", source, expression)
     batch.dispatch(pipeline, [a.buffer, b.buffer, out.buffer], pack_params(a.size), grid_1d(-(-a.size // 64)))
 

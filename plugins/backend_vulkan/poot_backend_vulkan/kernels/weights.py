@@ -103,6 +103,48 @@ def upload_weight(runtime: Runtime, data: np.ndarray, fmt: str, shape: tuple[int
     return DeviceWeight(form, rows, cols, chunks)
 
 
+@dataclass
+class ExpertStack:
+    """Every expert's matrices of one MoE layer in one matrix, expert after expert (each expert's parts, say
+    gate then up, one after another: `per_expert` rows). Its chunks hold whole experts, `experts_per_chunk`
+    each, so one binding reaches any row of the experts it holds."""
+
+    weight: DeviceWeight
+    experts: int
+    part_rows: tuple[int, ...]
+    experts_per_chunk: int
+
+    @property
+    def per_expert(self) -> int:
+        return sum(self.part_rows)
+
+    def chunk_experts(self) -> list[tuple[WeightChunk, int, int]]:
+        """(chunk, first expert, one past its last expert) per chunk."""
+        return [(c, c.row_start // self.per_expert, (c.row_start + c.rows) // self.per_expert)
+                for c in self.weight.chunks]
+
+
+def upload_stack(runtime: Runtime, experts: list[list[np.ndarray]], fmt: str, cols: int) -> ExpertStack | None:
+    """Stack the experts' matrices (experts[e] = that expert's parts as upload_weight takes them, all of one
+    format and row length) in chunks of whole experts. None when one expert exceeds a binding: the caller
+    keeps the matrices apart then."""
+    form = weight_format(fmt)
+    row_bytes = form.row_bytes(cols)
+    part_rows = tuple(int(part.size * part.itemsize // row_bytes) for part in experts[0])
+    per_expert = sum(part_rows)
+    per_chunk = runtime.max_binding_bytes // (per_expert * row_bytes)
+    if per_chunk == 0 or cols % form.block_values:
+        return None
+    chunks = []
+    for first in range(0, len(experts), per_chunk):
+        group = experts[first : first + per_chunk]
+        data = np.concatenate([np.ascontiguousarray(part).view(np.uint8).reshape(-1, row_bytes)
+                               for parts in group for part in parts])
+        chunks.append(WeightChunk(first * per_expert, data.shape[0], runtime.raw_upload(data)))
+    weight = DeviceWeight(form, len(experts) * per_expert, cols, chunks)
+    return ExpertStack(weight, len(experts), part_rows, per_chunk)
+
+
 def row_range(weight: DeviceWeight, start: int, stop: int) -> DeviceWeight:
     """Rows start..stop of `weight` as a matrix of its own, sharing its buffers (no copy)."""
     chunks = []

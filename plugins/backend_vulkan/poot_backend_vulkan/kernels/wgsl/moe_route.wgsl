@@ -1,6 +1,7 @@
 // Routing of one token per workgroup (a single invocation: a router row is short): softmax over the experts'
 // logits, the top_k best, their scores renormalized to sum 1 when p.norm is 1, times p.scale. Writes a dense
-// row of weights, zero for every expert not chosen.
+// row of weights, zero for every expert not chosen, and the chosen experts' ids and weights in choice order
+// ([tokens, top_k] each: what the gathered expert products of moe_gate_up/moe_down.wgsl read).
 struct Params {
     experts: u32,
     top_k: u32,
@@ -11,6 +12,8 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> weights: array<f32>;
+@group(0) @binding(3) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(4) var<storage, read_write> chosen: array<f32>;
 
 @compute @workgroup_size(1)
 fn main(@builtin(workgroup_id) wid: vec3<u32>) {
@@ -38,6 +41,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>) {
         }
         taken[at / 32u] |= 1u << (at % 32u);
         weights[base + at] = best;
+        ids[wid.x * p.top_k + k] = at;
+        chosen[wid.x * p.top_k + k] = best;
         total += best;
     }
     var factor = p.scale;
@@ -46,5 +51,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>) {
     }
     for (var e = 0u; e < p.experts; e++) {
         weights[base + e] *= factor;
+    }
+    for (var k = 0u; k < p.top_k; k++) {
+        chosen[wid.x * p.top_k + k] *= factor;
     }
 }
