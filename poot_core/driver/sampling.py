@@ -1,8 +1,11 @@
 """Token sampling with llama.cpp's semantics, and the logit processing every sampler shares.
 
-Order of the chain, as llama.cpp's default: the penalties (`penalize`), then top-k, top-p and min-p on the
-untempered distribution, then temperature, then a draw. Temperature 0 is greedy (argmax), and the penalties
-still apply there.
+Order of the chain, as llama.cpp's default: the logit bias and the penalties (`penalize`), then top-k, top-p
+and min-p on the untempered distribution, then temperature, then a draw. Temperature 0 is greedy (argmax), and
+the bias and penalties still apply there.
+
+Logit bias (OpenAI's `logit_bias`): token id -> a value in [-100, 100] added to that token's logit, before the
+penalties (vLLM applies its logit-bias processor before them too). An id outside the logits is a RequestError.
 
 Penalties: the repeat penalty (llama.cpp's and transformers' `repetition_penalty`: positive logits divided by
 it, negative ones multiplied) over the last `repeat_last_n` tokens of prompt and output (-1: all of them);
@@ -35,6 +38,7 @@ class Sampler:
     repeat_last_n: int = 64  # -1: the whole history (transformers' and vLLM's repetition_penalty)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     _rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,11 @@ class Sampler:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise RequestError(f"{name.replace('_', ' ')} must be in [-2, 2], got {value}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0:
+                raise RequestError(f"logit bias token ids must be integers >= 0, got {token!r}")
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise RequestError(f"logit bias values must be in [-100, 100], got {bias} for token {token}")
         self.reset()
 
     @classmethod
@@ -64,7 +73,9 @@ class Sampler:
 
     @property
     def penalized(self) -> bool:
-        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether `penalize` changes the logits (then greedy is not the raw argmax)."""
+        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def needs_prompt_len(self) -> bool:
@@ -108,8 +119,13 @@ class Sampler:
         return ids, _softmax(x / self.temperature)
 
     def penalize(self, logits: np.ndarray, history: list[int], prompt_len: int | None = None) -> np.ndarray:
-        """The logits (float64, a copy) after the repeat, frequency and presence penalties."""
+        """The logits (float64, a copy) after the logit bias, then the repeat, frequency and presence penalties."""
         x = np.asarray(logits, dtype=np.float64).copy()
+        if self.logit_bias:
+            ids = np.fromiter(self.logit_bias.keys(), dtype=np.int64, count=len(self.logit_bias))
+            if ids.max() >= x.size:
+                raise RequestError(f"logit bias names token {int(ids.max())}, outside the vocabulary of {x.size}")
+            x[ids] += np.fromiter(self.logit_bias.values(), dtype=np.float64, count=ids.size)
         if self.repeat_penalty != 1.0 and self.repeat_last_n != 0:
             window = history if self.repeat_last_n < 0 else history[-self.repeat_last_n :]
             recent = np.unique(np.asarray(window, dtype=np.int64))

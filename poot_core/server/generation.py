@@ -3,8 +3,9 @@
 OpenAI's defaults apply where a field is absent (temperature 1, top-p 1, no top-k, no min-p), not
 llama.cpp's: clients expect them. temperature 0 is greedy and gives the offline engine's exact tokens.
 presence_penalty and frequency_penalty count the generated tokens (OpenAI), repetition_penalty every token of
-prompt and output (transformers, vLLM). Fields poot cannot honour yet are refused by name instead of being
-ignored.
+prompt and output (transformers, vLLM). logit_bias maps token ids (JSON keys) to a bias added to the logits
+before sampling, each value clamped to [-100, 100] and an id outside the vocabulary a 400 (both as vLLM does).
+Fields poot cannot honour yet are refused by name instead of being ignored.
 
 Tools: tool_choice "none" renders the prompt without them; a named function or "required" constrains the reply
 (tool_call_constraint); "auto" (or absent) leaves the reply free and the server parses it in the format of the
@@ -50,10 +51,12 @@ class Plan:
     constraint: Constraint | None = None  # response_format, vLLM guided fields or a forced call (constraint_of)
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
     tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
+    logit_bias: dict[int, float] | None = None  # logit_bias_of
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
-        return [GenerateRequest(list(self.prompt), self.max_new, sampler(self.body, i), list(self.stops),
+        return [GenerateRequest(list(self.prompt), self.max_new, sampler(self.body, i, self.logit_bias),
+                                list(self.stops),
                                 self.body.ignore_eos, constraint=self.constraint, logprobs=self.logprobs)
                 for i in range(n)]
 
@@ -77,18 +80,37 @@ def refuse(field: str, why: str) -> APIError:
     return APIError(400, f"{field}: {why}", param=field, code="unsupported_parameter")
 
 
-def sampler(body: Sampling, choice: int = 0) -> Sampler:
+def sampler(body: Sampling, choice: int = 0, logit_bias: dict[int, float] | None = None) -> Sampler:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     seed = None if body.seed is None else (body.seed + choice) % 2**63
     return Sampler(temperature=temperature, top_k=top_k, top_p=1.0 if body.top_p is None else body.top_p,
                    min_p=body.min_p or 0.0, repeat_penalty=body.repetition_penalty or 1.0, repeat_last_n=-1,
-                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=seed)
+                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=seed,
+                   logit_bias=logit_bias)
+
+
+def logit_bias_of(body: Sampling, vocab: int) -> dict[int, float] | None:
+    """The request's logit_bias with integer ids and values clamped to [-100, 100] (vLLM); a key that is not a
+    token id, or an id outside the vocabulary, is a 400 naming the field."""
+    if not body.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in body.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias",
+                           code="invalid_logit_bias") from None
+        bias[token] = min(100.0, max(-100.0, value))
+    bad = sorted(t for t in bias if not 0 <= t < vocab)
+    if bad:
+        raise APIError(400, f"token_id(s) {bad[:10]} in logit_bias contain out-of-vocab token ids. "
+                            f"Vocabulary size: {vocab}", param="logit_bias", code="invalid_logit_bias")
+    return bias
 
 
 def _common_refusals(body: Sampling) -> None:
-    if body.logit_bias:
-        raise refuse("logit_bias", "not supported")
     if body.stream_options is not None and not body.stream:
         raise refuse("stream_options", "only allowed with stream: true")
 
@@ -147,7 +169,7 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> P
     if not body.ignore_eos:
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return Plan(prompt, max_new, stops, body, constraint, logprobs, tools)
+    return Plan(prompt, max_new, stops, body, constraint, logprobs, tools, logit_bias_of(body, text.vocab_size()))
 
 
 def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constraint | None:
@@ -211,6 +233,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
         prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
     vocab = text.vocab_size()
     constraint = constraint_of(body)
+    bias = logit_bias_of(body, vocab)
     plans = []
     for i, ids in enumerate(prompts):
         if not ids:
@@ -220,7 +243,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
             raise refuse("prompt", f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         max_new = -1 if body.max_tokens is None else body.max_tokens
         check_window(len(ids), max_new, window, "prompt")
-        plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs))
+        plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs, logit_bias=bias))
     return plans
 
 

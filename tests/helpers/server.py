@@ -101,3 +101,19 @@ def start_server(*flags: str, command: tuple[str, ...] = ("-m", "poot_core.cli.m
         time.sleep(0.2)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"poot serve did not become healthy in {START_TIMEOUT} s:\n{server.stderr()}")
+
+
+def offline(engine, request):
+    """The offline serving engine's generation of `request` and the logits (float64 [tokens, vocab]) each of its
+    tokens was sampled from: the reference the server's answers are checked against."""
+    import numpy as np
+
+    from poot_core.driver.engine import FinishedEvent
+
+    engine.keep_logits = True
+    rid = engine.submit(request)
+    generation = None
+    while generation is None:
+        generation = next((e.generation for e in engine.step()
+                           if isinstance(e, FinishedEvent) and e.request_id == rid), None)
+    return generation, np.stack(engine.logits.pop(rid)).astype(np.float64)

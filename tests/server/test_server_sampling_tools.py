@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from helpers import smollm
-from helpers.server import MODEL_NAME
+from helpers.server import MODEL_NAME, offline
 from poot_core import GenerateRequest, Sampler
 from poot_core.driver.constraints import tool_call_format, tool_call_start, tool_calls_from_reply
-from poot_core.driver.engine import FinishedEvent
 from poot_core.server.generation import Tools, chat_plan
 from poot_core.server.schemas import ChatCompletionRequest
 from poot_core.server.tools import ToolStream
@@ -49,14 +48,7 @@ def client(server):
 
 
 def _offline(engine, request: GenerateRequest):
-    """The offline engine's generation of `request` and the logits each of its tokens was sampled from."""
-    engine.keep_logits = True
-    rid = engine.submit(request)
-    generation = None
-    while generation is None:
-        generation = next((e.generation for e in engine.step()
-                           if isinstance(e, FinishedEvent) and e.request_id == rid), None)
-    return generation, np.stack(engine.logits.pop(rid)).astype(np.float64)
+    return offline(engine, request)
 
 
 def _chat_ids(engine, messages):

@@ -1,0 +1,100 @@
+"""`poot serve`'s logit_bias (chat and completions), echo and prompt log-probabilities (completions), and the
+field named by a constraint's compile error, through the official openai client.
+
+logit_bias is checked against a float64 numpy formula (logits + bias, then argmax) on the logits the offline
+engine recorded for each token, and the reply against the offline engine's under the same bias; prompt
+log-probabilities against torch.log_softmax of the offline Driver's logits on the prompt."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from helpers.server import MODEL_NAME, offline
+from poot_core import GenerateRequest, Sampler
+
+NEW = 8
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    return serve("--max-running", "4")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
+
+
+def _text(engine):
+    return engine.driver.handle.text()
+
+
+def _biased(engine, ids: list[int], stops: list[str], bias: dict[int, float]):
+    """The offline engine's greedy reply under `bias`, each token checked against numpy's argmax of its recorded
+    logits plus the bias; and the plain greedy reply (the bias must change it, else nothing is tested)."""
+    plain, _ = offline(engine, GenerateRequest(ids, NEW, Sampler.greedy(), list(stops)))
+    generation, logits = offline(engine, GenerateRequest(ids, NEW, Sampler(temperature=0.0, logit_bias=bias),
+                                                         list(stops)))
+    shifted = logits.copy()
+    for token, value in bias.items():
+        shifted[:, token] += value
+    assert generation.tokens == [int(t) for t in np.argmax(shifted, axis=1)]
+    assert generation.tokens != plain.tokens
+    return generation
+
+
+def _bias_against(engine, ids: list[int], stops: list[str]) -> dict[int, float]:
+    plain, _ = offline(engine, GenerateRequest(ids, NEW, Sampler.greedy(), list(stops)))
+    return {plain.tokens[0]: -100.0, plain.tokens[1]: -4.0, 1000: 2.0}
+
+
+def test_completion_logit_bias_follows_the_formula(client, reference):
+    ids = _text(reference).encode(PROMPT)
+    bias = _bias_against(reference, ids, [])
+    want = _biased(reference, ids, [], bias)
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    logit_bias={str(k): v for k, v in bias.items()})
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == len(want.tokens)
+
+
+def test_chat_logit_bias_follows_the_formula(client, reference):
+    text = _text(reference)
+    rendered = text.render_chat_value(CHAT)
+    ids, stops = text.encode_chat(rendered), list(rendered.stops)
+    bias = _bias_against(reference, ids, stops)
+    want = _biased(reference, ids, stops, bias)
+    got = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=NEW, temperature=0,
+                                         logit_bias={str(k): v for k, v in bias.items()})
+    assert got.choices[0].message.content == want.text
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=NEW, temperature=0,
+                                              logit_bias={str(k): v for k, v in bias.items()}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+
+
+def test_a_bias_over_100_is_clamped(client, reference):
+    """vLLM clamps values to [-100, 100]: +500 on one token acts as +100 (here: that token every time)."""
+    token = _text(reference).encode(" blue")[-1]
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    logit_bias={str(token): 500})
+    want, _ = offline(reference, GenerateRequest(_text(reference).encode(PROMPT), 3,
+                                                 Sampler(temperature=0.0, logit_bias={token: 100.0})))
+    assert got.choices[0].text == want.text
+
+
+def test_bad_logit_bias_is_a_400_naming_it(client, server, reference):
+    vocab = _text(reference).vocab_size()
+    for bias, words in (({str(vocab): 1.0}, ["out-of-vocab", str(vocab)]), ({"-3": 1.0}, ["out-of-vocab"]),
+                        ({"abc": 1.0}, ["token ids"])):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias", e.value.body
+        assert all(w in e.value.body["message"] for w in words), e.value.body
+    r = httpx.post(f"{server.base}/chat/completions", json={"messages": CHAT, "max_tokens": 2,
+                                                            "logit_bias": {"1": "lots"}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias")
