@@ -21,6 +21,7 @@ from poot_core.driver.core import GenerateRequest
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
 from poot_core.driver.sampling import TokenLogprobs
 from poot_core.errors import PootError
+from poot_core.server.logprobs import PromptStep, prompt_steps
 
 log = logging.getLogger("poot.server")
 
@@ -62,6 +63,8 @@ class Ticket:
     priority: int = 0
     salt: str | None = None
     tenant: str | None = None  # the scheduler shares admissions fairly between tenants of one priority
+    prompt_top: int | None = None  # the prompt's log-probabilities with this many alternatives (None: not needed)
+    prompt_steps: list[PromptStep | None] | None = None  # ... set on the engine thread before Accepted
     on_item: Callable[[Ticket, Item], None] | None = None  # runs in the loop, before the item is queued
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
@@ -174,6 +177,8 @@ class EngineBridge:
             self._push(ticket, Rejected(RuntimeError("the server is shutting down")))
             return
         try:
+            if ticket.prompt_top is not None:  # one prefill of the whole prompt, between two steps
+                ticket.prompt_steps = prompt_steps(self.engine.driver, ticket.request.prompt, ticket.prompt_top)
             rid = self.engine.submit(ticket.request, priority=ticket.priority, cache_salt=ticket.salt,
                                      tenant=ticket.tenant)
         except PootError as exc:

@@ -8,6 +8,10 @@ Starlette cancels the generator; for a whole response, a watcher reads the conne
 Log-probabilities ride on the chunk of their token (logprobs.py); those of tokens that show no text (the
 end-of-sequence token) on the finishing chunk. A chat with tools streams its content until a tool call may
 begin, then delivers the calls in one delta before the finishing chunk (tools.py).
+
+Completions' echo (vLLM's semantics): the prompt's text comes before the reply (a stream's first chunk of each
+choice), and with logprobs the prompt's tokens come first in them, the first one's logprob None; vLLM's
+prompt_logprobs rides on the choice (a stream's first chunk).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from poot_core.errors import RequestError
 from poot_core.server.bridge import Done, Piece, Rejected, Ticket
 from poot_core.server.errors import APIError, error_body, from_poot
 from poot_core.server.generation import Plan, chat_plan, completion_plans, finish_reason
-from poot_core.server.logprobs import CompletionLogprobs, chat_content
+from poot_core.server.logprobs import CompletionLogprobs, chat_content, joined, prompt_logprobs_field
 from poot_core.server.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from poot_core.server.state import ServerState
 from poot_core.server.tools import ToolStream, finish, read_calls
@@ -58,7 +62,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def _serve(state: ServerState, request: Request, body: Sampling, plans: list[Plan], chat: bool,
                  text: TextServices) -> Any:
     requests = [r for plan in plans for r in plan.requests(body.n)]
-    tickets = await state.submit(request.state.tenant, requests)
+    tops = [plan.prompt_top if i == 0 else None for plan in plans for i in range(body.n)]  # once a prompt
+    tickets = await state.submit(request.state.tenant, requests, tops)
+    for plan, first in zip(plans, tickets[:: body.n], strict=True):
+        plan.prompt_steps = first.prompt_steps
     prompt_tokens = sum(len(p.prompt) for p in plans)
     meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), state.settings.model,
                  chat, prompt_tokens, text)
@@ -88,8 +95,13 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
             logprobs = None if steps is None else {"content": chat_content(text, steps)}
             choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
-            logprobs = None if steps is None else CompletionLogprobs(text).block(steps)
-            choices.append({"index": index, "text": reply, "logprobs": logprobs, "finish_reason": reason})
+            logprobs = None
+            if steps is not None:
+                built = CompletionLogprobs(text)
+                echoed = [] if plan.echo is None else [built.prompt(plan.prompt, plan.prompt_steps or [], _top(plan))]
+                logprobs = joined(*echoed, built.block(steps))
+            choice = {"index": index, "text": (plan.echo or "") + reply, "logprobs": logprobs, "finish_reason": reason}
+            choices.append(_with_prompt_logprobs(choice, plan, text))
     return JSONResponse({"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model,
                          "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
@@ -108,6 +120,18 @@ class _Meta:
         if usage is not None:
             body["usage"] = usage
         return _event(body)
+
+
+def _top(plan: Plan) -> int:
+    """The alternatives per token of a completion's logprobs."""
+    return plan.logprobs or 0
+
+
+def _with_prompt_logprobs(choice: dict[str, Any], plan: Plan, text: TextServices) -> dict[str, Any]:
+    top = getattr(plan.body, "prompt_logprobs", None)
+    if top is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_field(text, plan.prompt_steps or [], top)
+    return choice
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -180,6 +204,11 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
         if meta.chat:
             yield meta.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None} for i in range(len(tickets))])
+        else:
+            for index, (plan, choice) in enumerate(zip(plans, choices, strict=True)):
+                first = _prompt_chunk(meta, index, plan, choice)
+                if first is not None:
+                    yield first
         while open_:
             index, item = await merged.get()
             choice = choices[index]
@@ -220,6 +249,17 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
         state.abort(tickets)
         for p in pumps:
             p.cancel()
+
+
+def _prompt_chunk(meta: _Meta, index: int, plan: Plan, choice: _Choice) -> str | None:
+    """A streamed completion's first chunk when it echoes the prompt or gives prompt_logprobs."""
+    if plan.echo is None and getattr(plan.body, "prompt_logprobs", None) is None:
+        return None
+    logprobs = None
+    if plan.echo is not None and choice.completion is not None:
+        logprobs = choice.completion.prompt(plan.prompt, plan.prompt_steps or [], _top(plan))
+    body = {"index": index, "text": plan.echo or "", "logprobs": logprobs, "finish_reason": None}
+    return meta.chunk([_with_prompt_logprobs(body, plan, meta.text)])
 
 
 def _delta(meta: _Meta, index: int, text: str, reason: str | None,

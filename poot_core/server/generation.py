@@ -52,6 +52,11 @@ class Plan:
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
     tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
     logit_bias: dict[int, float] | None = None  # logit_bias_of
+    # completions: echo, the prompt's text put before the reply; prompt_top, the alternatives per prompt token the
+    # response needs (echo with logprobs, prompt_logprobs), None when it needs no prompt logprobs
+    echo: str | None = None
+    prompt_top: int | None = None
+    prompt_steps: list[Any] | None = None  # filled when the engine took the request (logprobs.prompt_steps)
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
@@ -214,23 +219,29 @@ def _tools(text: TextServices, body: ChatCompletionRequest) -> Tools | None:
 
 def completion_plans(text: TextServices, body: CompletionRequest, window: int) -> list[Plan]:
     _common_refusals(body)
-    if body.echo:
-        raise refuse("echo", "not supported")
+    if body.max_tokens == 0 and not body.echo:
+        raise refuse("max_tokens", "must be at least 1 (0 only with echo)")
     if body.suffix:
         raise refuse("suffix", "not supported (no fill-in-the-middle)")
     if body.best_of is not None and body.best_of != body.n:
         raise refuse("best_of", "only best_of equal to n is supported")
     prompt = body.prompt
+    texts: list[str | None]
     if isinstance(prompt, str):
         prompts: list[list[int]] = [text.encode(prompt)]
+        texts = [prompt]
     elif not prompt:
         raise refuse("prompt", "is empty")
     elif all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        prompts, texts = [list(prompt)], [None]  # type: ignore[arg-type]
     elif all(isinstance(p, str) for p in prompt):
         prompts = [text.encode(p) for p in prompt]  # type: ignore[arg-type]
+        texts = list(prompt)  # type: ignore[arg-type]
     else:
         prompts = [list(p) for p in prompt]  # type: ignore[union-attr]
+        texts = [None] * len(prompts)
+    tops = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    prompt_top = max(tops) if tops else None
     vocab = text.vocab_size()
     constraint = constraint_of(body)
     bias = logit_bias_of(body, vocab)
@@ -243,7 +254,9 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
             raise refuse("prompt", f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         max_new = -1 if body.max_tokens is None else body.max_tokens
         check_window(len(ids), max_new, window, "prompt")
-        plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs, logit_bias=bias))
+        echo = (texts[i] if texts[i] is not None else text.decode(ids)) if body.echo else None
+        plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs, logit_bias=bias,
+                          echo=echo, prompt_top=prompt_top))
     return plans
 
 

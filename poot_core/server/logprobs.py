@@ -4,14 +4,25 @@ Chat: choices[].logprobs = {"content": [{"token", "logprob", "bytes", "top_logpr
 "bytes"}]}]}. Completions: choices[].logprobs = {"tokens", "token_logprobs", "top_logprobs" (one dict of token
 to logprob per position: the top alternatives and the sampled token), "text_offset"}. Each token is its id
 decoded alone; -inf (a token a constraint refused) is written as -9999.0, as vLLM and OpenAI do.
+
+Prompt tokens (completions' echo with logprobs, and vLLM's prompt_logprobs): the log-softmax of the model's logits
+at each prompt position for the next prompt token, the first token None (nothing predicts it), as vLLM gives
+them. They come from the Driver's logits of the whole prompt (one prefill of its own, on the engine thread:
+the serving step keeps only each sequence's last logits).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from poot_core.driver.sampling import TokenLogprobs
+import numpy as np
+
+from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.text.services import TextServices
+
+if TYPE_CHECKING:
+    from poot_core.driver.core import Driver
 
 FLOOR = -9999.0
 
@@ -38,6 +49,43 @@ def chat_content(text: TextServices, steps: list[TokenLogprobs]) -> list[dict[st
     return out
 
 
+@dataclass(frozen=True)
+class PromptStep:
+    """One prompt token after the first: its log-probability and top alternatives, and its rank in the
+    model's distribution (1: the most likely)."""
+
+    logprobs: TokenLogprobs
+    rank: int
+
+
+def prompt_steps(driver: Driver, prompt: list[int], top: int) -> list[PromptStep | None]:
+    """The prompt's log-probabilities with `top` alternatives each: None for the first token, then one step per
+    token from the logits of the position before it."""
+    logits = driver.logits(prompt)
+    out: list[PromptStep | None] = [None]
+    for i in range(1, len(prompt)):
+        row = logits[i - 1].astype(np.float64)
+        token = prompt[i]
+        out.append(PromptStep(token_logprobs(row, token, top), 1 + int(np.count_nonzero(row > row[token]))))
+    return out
+
+
+def prompt_logprobs_field(text: TextServices, steps: list[PromptStep | None], top: int) -> list[Any]:
+    """vLLM's choices[].prompt_logprobs: per prompt position None (the first) or {token id: {"logprob", "rank",
+    "decoded_token"}} for the `top` most likely tokens and the prompt's own."""
+    out: list[Any] = []
+    for step in steps:
+        if step is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": _value(lp), "rank": r, "decoded_token": _token(text, t)}
+                 for r, (t, lp) in enumerate(step.logprobs.top[:top], 1)}
+        entry[str(step.logprobs.token)] = {"logprob": _value(step.logprobs.logprob), "rank": step.rank,
+                                           "decoded_token": _token(text, step.logprobs.token)}
+        out.append(entry)
+    return out
+
+
 class CompletionLogprobs:
     """A completion choice's logprobs, built a few tokens at a time (a stream) or all at once; text_offset
     counts characters of the decoded tokens from the start of the completion."""
@@ -58,3 +106,30 @@ class CompletionLogprobs:
             offsets.append(self.offset)
             self.offset += len(token)
         return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+
+    def prompt(self, ids: list[int], steps: list[PromptStep | None], top: int) -> dict[str, Any]:
+        """The echoed prompt's block: the first token's logprob and top_logprobs None (vLLM), then `top`
+        alternatives per token."""
+        out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for token_id, step in zip(ids, steps, strict=True):
+            if step is None:
+                token = _token(self.text, token_id)
+                out["tokens"].append(token)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                out["text_offset"].append(self.offset)
+                self.offset += len(token)
+                continue
+            trimmed = TokenLogprobs(step.logprobs.token, step.logprobs.logprob, step.logprobs.top[:top])
+            for key, values in self.block([trimmed]).items():
+                out[key] += values
+        return out
+
+
+def joined(*blocks: dict[str, Any]) -> dict[str, Any]:
+    """Completion logprobs blocks one after the other (the echoed prompt's, then the reply's)."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for block in blocks:
+        for key in out:
+            out[key] += block[key]
+    return out

@@ -106,8 +106,10 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=0, lt=2**31)  # 0 only with echo: the prompt scored, nothing generated
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 

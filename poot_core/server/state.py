@@ -78,8 +78,10 @@ class ServerState:
         return self.need()
 
     # --- admission ------------------------------------------------------------------------------------
-    async def submit(self, tenant: Tenant, requests: list[GenerateRequest]) -> list[Ticket]:
-        """Queue the requests of one HTTP request (all or none); 429 over a tenant limit or a full queue."""
+    async def submit(self, tenant: Tenant, requests: list[GenerateRequest],
+                     prompt_tops: list[int | None] | None = None) -> list[Ticket]:
+        """Queue the requests of one HTTP request (all or none); 429 over a tenant limit or a full queue.
+        prompt_tops: per request, the alternatives its prompt's log-probabilities need (None: none)."""
         loaded = self.need()
         n = len(requests)
         limit = self.settings.max_running + self.settings.max_queued
@@ -98,6 +100,8 @@ class ServerState:
         account = _Accounting(self, tenant)
         tickets = [Ticket(loop, r, tenant.priority, tenant.salt if self.keys else None, tenant.name, account)
                    for r in requests]
+        for t, top in zip(tickets, prompt_tops or [None] * n, strict=True):
+            t.prompt_top = top
         for t in tickets:
             loaded.bridge.submit(t)
         for t in tickets:  # every one accepted, or the whole request is refused

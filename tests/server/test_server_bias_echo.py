@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from helpers.server import MODEL_NAME, offline
 from poot_core import GenerateRequest, Sampler
@@ -98,3 +99,87 @@ def test_bad_logit_bias_is_a_400_naming_it(client, server, reference):
     r = httpx.post(f"{server.base}/chat/completions", json={"messages": CHAT, "max_tokens": 2,
                                                             "logit_bias": {"1": "lots"}})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias")
+
+
+# --- echo and prompt log-probabilities (completions) --------------------------------------------------------
+TOP = 3
+BOUND = 1e-4  # float32 logits of the same prompt, in the server and here
+
+
+@pytest.fixture(scope="module")
+def prompt_logp(reference):
+    """The prompt's ids and torch.log_softmax of the offline Driver's logits on it (row i predicts token i+1)."""
+    ids = _text(reference).encode(PROMPT)
+    logits = torch.from_numpy(reference.driver.logits(ids)).double()
+    return ids, torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_puts_the_prompt_before_the_reply(client, reference):
+    ids = _text(reference).encode(PROMPT)
+    want, _ = offline(reference, GenerateRequest(ids, NEW, Sampler.greedy()))
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=NEW, temperature=0, echo=True)
+    assert got.choices[0].text == PROMPT + want.text
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want.tokens)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=NEW, temperature=0, echo=True)
+    assert by_ids.choices[0].text == _text(reference).decode(ids) + want.text
+
+
+def _check_prompt_part(reference, logprobs, ids, logp):
+    n = len(ids)
+    decoded = [_text(reference).decode([t]) for t in ids]
+    assert logprobs.tokens[:n] == decoded
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts it
+    for i in range(1, n):
+        assert abs(logprobs.token_logprobs[i] - logp[i - 1, ids[i]].item()) < BOUND
+        values, best = torch.topk(logp[i - 1], TOP)
+        top = logprobs.top_logprobs[i]
+        for t, v in zip(best.tolist(), values.tolist(), strict=True):
+            assert abs(top[_text(reference).decode([t])] - v) < BOUND
+    offsets = np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]])
+    assert logprobs.text_offset == offsets.tolist()
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_first(client, reference, prompt_logp):
+    ids, logp = prompt_logp
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                    logprobs=TOP)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + got.usage.completion_tokens
+    _check_prompt_part(reference, lp, ids, logp)
+    assert "".join(lp.tokens) == got.choices[0].text
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                              echo=True, logprobs=TOP, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == got.choices[0].text
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    assert streamed[0].choices[0].text == PROMPT  # the first chunk is the echoed prompt
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt(client, reference, prompt_logp):
+    ids, logp = prompt_logp
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=TOP)
+    assert got.choices[0].text == PROMPT and got.usage.completion_tokens == 0
+    assert len(got.choices[0].logprobs.tokens) == len(ids)
+    _check_prompt_part(reference, got.choices[0].logprobs, ids, logp)
+    with pytest.raises(openai.BadRequestError) as e:  # 0 new tokens only make sense with echo
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_follow_log_softmax(client, reference, prompt_logp):
+    ids, logp = prompt_logp
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    field = got.choices[0].model_extra["prompt_logprobs"]
+    assert len(field) == len(ids) and field[0] is None
+    for i in range(1, len(ids)):
+        entry = field[i]
+        own = entry[str(ids[i])]
+        assert abs(own["logprob"] - logp[i - 1, ids[i]].item()) < BOUND
+        assert own["rank"] == 1 + int((logp[i - 1] > logp[i - 1, ids[i]]).sum())
+        assert own["decoded_token"] == _text(reference).decode([ids[i]])
+        values, best = torch.topk(logp[i - 1], 2)
+        for rank, (t, v) in enumerate(zip(best.tolist(), values.tolist(), strict=True), 1):
+            assert abs(entry[str(t)]["logprob"] - v) < BOUND
+            assert entry[str(t)]["rank"] == rank or t == ids[i]
+    assert not got.choices[0].text.startswith(PROMPT)  # prompt_logprobs alone does not echo
