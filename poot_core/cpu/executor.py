@@ -395,6 +395,16 @@ class _Binder:
 
         return splice.bind_splice(node, self.args(node))
 
+    def op_all_reduce(self, node: Node) -> StepFn:
+        from poot_core.cpu import collectives
+
+        return collectives.bind_all_reduce(node, self.arg(node.inputs[0]))
+
+    def op_all_gather(self, node: Node) -> StepFn:
+        from poot_core.cpu import collectives
+
+        return collectives.bind_all_gather(node, self.arg(node.inputs[0]))
+
 
 CPU_OPS = passes.handled_ops(_Binder)
 

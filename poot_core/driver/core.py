@@ -44,6 +44,7 @@ from poot_core.graph import Graph, StepShape, Tracer
 
 if TYPE_CHECKING:
     from poot_core.checkpoint.handle import ModelHandle
+    from poot_core.distributed import Coordinator, Placement
     from poot_core.driver.engine import ServingDriver
 
 
@@ -129,6 +130,18 @@ class Generation:
 OnToken = Callable[[int, str], GenerationControl | None]
 
 
+def trace_step(handle: ModelHandle, shape: StepShape, shapes: dict[str, tuple[int, ...]] | None = None) -> Graph:
+    """The family's graph for one step shape; a weight the family needs and the checkpoint lacks is a typed
+    refusal."""
+    tracer = Tracer(shape, handle.store().shapes() if shapes is None else shapes)
+    try:
+        handle.family.trace(handle.config(), tracer, shape)
+    except KeyError as exc:
+        raise Unsupported(Reason.SHAPE, f"{handle.family.name} step {shape}",
+                          f"the checkpoint lacks weight {exc.args[0]}") from exc
+    return tracer.graph
+
+
 class Driver:
     def __init__(self, handle: ModelHandle, executor: Executor, options: DriverOptions | None = None) -> None:
         self.handle = handle
@@ -161,17 +174,21 @@ class Driver:
         if self._speculation is not None:
             self._hidden_sink = getattr(self._speculation.proposer, "record", None)
 
+    @classmethod
+    def placed(cls, handle: ModelHandle, coordinator: Coordinator, placement: Placement,
+               executor: Executor | None = None, options: DriverOptions | None = None, *,
+               split: list[float] | None = None) -> Driver:
+        """One model over the ranks of `coordinator` (this process is one of them and every rank makes the same
+        calls): a layer pipeline or a tensor-parallel group, each rank fitted to its own device's free memory by
+        capacity.Planner (refused, naming the device and the bytes, before any weight moves). `split`: the
+        share of each rank (--tensor-split 3,1); the planner chooses without it. See poot_core.distributed."""
+        from poot_core.distributed.placed import place
+
+        return place(cls, handle, coordinator, placement, executor, options, split)
+
     # --- programs -------------------------------------------------------------------------------------
     def _trace(self, shape: StepShape) -> Graph:
-        """The family's graph for one step shape; a weight the family needs and the checkpoint lacks is a
-        typed refusal."""
-        tracer = Tracer(shape, self._shapes)
-        try:
-            self.family.trace(self.config, tracer, shape)
-        except KeyError as exc:
-            raise Unsupported(Reason.SHAPE, f"{self.family.name} step {shape}",
-                              f"the checkpoint lacks weight {exc.args[0]}") from exc
-        return tracer.graph
+        return trace_step(self.handle, shape, self._shapes)
 
     def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)

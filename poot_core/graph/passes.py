@@ -75,12 +75,18 @@ OPS: dict[str, OpSpec] = {
                               ("layer", "scale", "window", "softcap"), "[R, T, Hq, Dh]; see Tracer.attention"),
     "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group", "norm_first"),
                              "x's shape: rms_norm per group of x * silu(gate); norm_first: rms_norm(x) * silu(gate)"),
+    # several devices (poot_core.distributed): collectives over the ranks of the Coordinator whose key is `group`
+    "all_reduce": OpSpec(("x",), ("group",), "x's shape: the sum of every rank's x (tensor-parallel partial sums)"),
+    "all_gather": OpSpec(("x",), ("group", "sizes"),
+                         "[.., sum(sizes)]: the ranks' x joined along the last axis, rank r's of width sizes[r]"),
 }
 
 # The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
 HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_delta", "gated_rms_norm"})
 # The ops only vision-language families use, computed so far by the CPU executor alone.
 VISION_OPS = frozenset({"splice", "group_attention"})
+# The collectives of placed programs (poot_core.distributed), computed so far by the CPU executor alone (gloo).
+DISTRIBUTED_OPS = frozenset({"all_reduce", "all_gather"})
 
 HANDLER = "op_"  # a backend's handler of op X is its method op_X
 
@@ -166,5 +172,5 @@ def shared_input_linears(nodes: Sequence[Node]) -> list[list[int]]:
     return [group for group in by_input.values() if len(group) > 1]
 
 
-__all__ = ["HANDLER", "HYBRID_OPS", "OPS", "VISION_OPS", "Dispatch", "OpSpec", "add_norm_pairs", "dead_after",
-           "handled_ops", "last_use", "linear_weight", "shared_input_linears"]
+__all__ = ["DISTRIBUTED_OPS", "HANDLER", "HYBRID_OPS", "OPS", "VISION_OPS", "Dispatch", "OpSpec", "add_norm_pairs",
+           "dead_after", "handled_ops", "last_use", "linear_weight", "shared_input_linears"]

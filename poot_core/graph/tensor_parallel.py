@@ -1,0 +1,267 @@
+"""The tensor-parallel pass (Megatron split): one traced step rewritten into rank r's share of it.
+
+What it recognizes, from the graph's structure alone (so every family gets it without family code):
+- attention blocks: q/k/v linears (through per-head reshape, q/k norms, rope) into `attention`, whose output
+  goes through a reshape into one linear. q/k/v become column-parallel (rank r's heads' rows), the output linear
+  row-parallel (those heads' columns) followed by one `all_reduce`. Query heads must divide over the ranks
+  (a typed refusal naming the count); KV heads split when they divide, else each rank keeps the one KV head its
+  query heads read (replicated) when the ranks are a multiple of them.
+- gated MLPs: gate and up linears into `gated`, then one down linear: gate/up column-parallel, down row-parallel,
+  one `all_reduce`.
+- the head: `logits` over a vocabulary slice per rank, the slices joined by one `all_gather` before sampling.
+Anything else (embeddings, norms, MoE, recurrent layers, a block whose values have other readers) is left as it
+is on every rank: replicated, which is exact too. A bias of a row-parallel linear is added once, after the sum.
+
+Weights are renamed to their shards (`Shard.name`); `can_split` says whether a stored layout splits there (a
+packed layout only along its blocks), else that block stays replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from poot_core.errors import Reason, Unsupported
+from poot_core.graph.ir import Graph, Node, StateRef, ValueRef, WeightRef
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows (axis 0: output features) or columns (axis 1: input features) [start, stop) of a stored weight
+    (a bias: axis 0 of a vector)."""
+
+    base: str
+    axis: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.base}@{self.axis}:{self.start}:{self.stop}"
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(full)
+        out[self.axis] = self.stop - self.start
+        return tuple(out)
+
+
+Splittable = Callable[[Shard], bool]
+
+
+def even_slices(total: int, world: int) -> list[tuple[int, int]]:
+    """[start, stop) of each rank's part of `total`, as equal as whole numbers allow."""
+    bounds = [total * r // world for r in range(world + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class _Pass:
+    def __init__(self, graph: Graph, rank: int, world: int, group: str, can_split: Splittable) -> None:
+        self.graph, self.rank, self.world, self.group, self.can_split = graph, rank, world, group, can_split
+        self.nodes: list[Node] = list(graph.nodes)
+        self.made = {n.output: i for i, n in enumerate(self.nodes)}
+        self.readers: dict[str, int] = {}
+        for n in self.nodes:
+            for ref in n.inputs:
+                if isinstance(ref, ValueRef):
+                    self.readers[ref.name] = self.readers.get(ref.name, 0) + 1
+        self.state = dict(graph.state)
+        self.after: dict[int, list[Node]] = {}  # collective (and bias) nodes inserted after node i
+        self.shards: dict[str, Shard] = {}
+
+    # --- matching ------------------------------------------------------------------------------------------
+    def only_reader(self, name: str) -> bool:
+        return self.readers.get(name, 0) == 1 and name not in self.graph.outputs
+
+    def producer(self, ref: object, op: str | None = None) -> int | None:
+        if not isinstance(ref, ValueRef) or ref.name not in self.made or not self.only_reader(ref.name):
+            return None
+        i = self.made[ref.name]
+        return i if op is None or self.nodes[i].op == op else None
+
+    def plain_linear(self, i: int | None) -> bool:
+        if i is None:
+            return False
+        n = self.nodes[i]
+        return (n.op == "linear" and isinstance(n.input(1), WeightRef)
+                and (n.input(2) is None or isinstance(n.input(2), WeightRef)))
+
+    def heads_chain(self, ref: object) -> tuple[int, list[int]] | None:
+        """(linear, per-head nodes from the attention back to the reshape) for one attention input."""
+        chain = []
+        while True:
+            i = self.producer(ref)
+            if i is None:
+                return None
+            n = self.nodes[i]
+            if n.op == "reshape" and len(n.shape) == 4:
+                chain.append(i)
+                j = self.producer(n.inputs[0], "linear")
+                return (j, chain) if self.plain_linear(j) else None
+            per_head = n.op in ("rope", "scale") or (n.op == "rms_norm" and len(n.shape) == 4
+                                                    and self.graph.weights.get(getattr(n.input(1), "name", ""))
+                                                    == (n.shape[-1],))
+            if not per_head:
+                return None
+            chain.append(i)
+            ref = n.inputs[0]
+
+    def output_linear(self, i: int) -> tuple[int, int] | None:
+        """(reshape, linear) that read attention node i's output and nothing else."""
+        out = self.nodes[i].output
+        r = next((j for j in range(i + 1, len(self.nodes)) if ValueRef(out) in self.nodes[j].inputs), None)
+        if r is None or not self.only_reader(out) or self.nodes[r].op != "reshape" or len(self.nodes[r].shape) != 3:
+            return None
+        name = self.nodes[r].output
+        lin = next((j for j in range(r + 1, len(self.nodes)) if ValueRef(name) in self.nodes[j].inputs), None)
+        if lin is None or not self.only_reader(name) or not self.plain_linear(lin) or \
+                self.nodes[lin].inputs[0] != ValueRef(name):
+            return None
+        return r, lin
+
+    # --- rewriting -----------------------------------------------------------------------------------------
+    def shard(self, ref: object, axis: int, start: int, stop: int) -> WeightRef | None:
+        if ref is None:
+            return None
+        s = Shard(ref.name, axis, start, stop)  # type: ignore[attr-defined]
+        self.shards[s.name] = s
+        return WeightRef(s.name)
+
+    def splits(self, *parts: tuple[object, int, int, int]) -> bool:
+        return all(ref is None or self.can_split(Shard(ref.name, axis, a, b))  # type: ignore[attr-defined]
+                   for ref, axis, a, b in parts)
+
+    def column(self, i: int, start: int, stop: int) -> None:
+        """Linear i computes only its output features [start, stop)."""
+        n = self.nodes[i]
+        w, b = self.shard(n.inputs[1], 0, start, stop), self.shard(n.input(2), 0, start, stop)
+        self.nodes[i] = replace(n, inputs=(n.inputs[0], w, b), shape=(*n.shape[:-1], stop - start))
+
+    def row(self, i: int, start: int, stop: int) -> None:
+        """Linear i reads only its input features [start, stop); the partial sums are added over the ranks,
+        then its bias once."""
+        n = self.nodes[i]
+        partial = f"{n.output}.partial"
+        self.nodes[i] = replace(n, inputs=(n.inputs[0], self.shard(n.inputs[1], 1, start, stop), None),
+                                output=partial)
+        bias = n.input(2)
+        summed = n.output if bias is None else f"{n.output}.summed"
+        tail = [Node("all_reduce", (ValueRef(partial),), summed, n.shape, {"group": self.group})]
+        if bias is not None:
+            tail.append(Node("add", (ValueRef(summed), bias), n.output, n.shape, {}))
+        self.after[i] = tail
+
+    def with_heads(self, i: int, heads: int) -> None:
+        n = self.nodes[i]
+        self.nodes[i] = replace(n, shape=(*n.shape[:2], heads, *n.shape[3:]))
+
+    def attention(self, i: int) -> None:
+        att = self.nodes[i]
+        chains = [self.heads_chain(att.inputs[j]) for j in range(3)]
+        out = self.output_linear(i)
+        if any(c is None for c in chains) or out is None:
+            return
+        (q_lin, q_chain), (k_lin, k_chain), (v_lin, v_chain) = chains  # type: ignore[misc]
+        heads, kv_heads = att.shape[2], self.nodes[k_chain[0]].shape[2]
+        n = self.world
+        if heads % n:
+            raise Unsupported(Reason.SHAPE, f"{heads} attention heads over {n} ranks (layer {att.attrs.get('layer')})",
+                              "tensor parallelism splits whole heads: give a rank count that divides them, or "
+                              "place the model as a pipeline")
+        hq = heads // n
+        if kv_heads % n == 0:
+            hk, k0 = kv_heads // n, self.rank * (kv_heads // n)
+        elif n % kv_heads == 0:  # fewer KV heads than ranks: each rank keeps the one its query heads read
+            hk, k0 = 1, self.rank // (n // kv_heads)
+        else:
+            raise Unsupported(Reason.SHAPE, f"{kv_heads} key/value heads over {n} ranks",
+                              "they neither divide over the ranks nor the ranks over them")
+        q0 = self.rank * hq
+        dq, dk = self.nodes[q_chain[0]].shape[3], self.nodes[k_chain[0]].shape[3]
+        dv = self.nodes[v_chain[0]].shape[3]
+        reshape, o_lin = out
+        plan = [(q_lin, q0 * dq, (q0 + hq) * dq), (k_lin, k0 * dk, (k0 + hk) * dk), (v_lin, k0 * dv, (k0 + hk) * dv)]
+        parts = [(self.nodes[j].inputs[k], 0, a, b) for j, a, b in plan for k in (1, 2)]
+        if not self.splits(*parts, (self.nodes[o_lin].inputs[1], 1, q0 * dv, (q0 + hq) * dv)):
+            return
+        for j, a, b in plan:
+            self.column(j, a, b)
+        for j in q_chain:
+            self.with_heads(j, hq)
+        for j in (*k_chain, *v_chain):
+            self.with_heads(j, hk)
+        self.with_heads(i, hq)
+        for ref in att.inputs[4:6]:
+            if isinstance(ref, StateRef):
+                spec = self.state[ref.name]
+                self.state[ref.name] = replace(spec, shape=(spec.shape[0], hk, *spec.shape[2:]))
+        r = self.nodes[reshape]
+        self.nodes[reshape] = replace(r, shape=(*r.shape[:2], hq * dv))
+        self.row(o_lin, q0 * dv, (q0 + hq) * dv)
+
+    def mlp(self, i: int) -> None:
+        g = self.nodes[i]
+        gate, up = self.producer(g.inputs[0], "linear"), self.producer(g.inputs[1], "linear")
+        down = next((j for j in range(i + 1, len(self.nodes)) if ValueRef(g.output) in self.nodes[j].inputs), None)
+        if not (self.plain_linear(gate) and self.plain_linear(up) and self.plain_linear(down)) or \
+                not self.only_reader(g.output) or self.nodes[down].inputs[0] != ValueRef(g.output):  # type: ignore[index]
+            return
+        width = g.shape[-1]
+        if width % self.world:
+            return
+        a, b = self.rank * width // self.world, (self.rank + 1) * width // self.world
+        parts = [(self.nodes[j].inputs[k], 0, a, b) for j in (gate, up) for k in (1, 2)]  # type: ignore[index]
+        if not self.splits(*parts, (self.nodes[down].inputs[1], 1, a, b)):  # type: ignore[index]
+            return
+        self.column(gate, a, b)  # type: ignore[arg-type]
+        self.column(up, a, b)  # type: ignore[arg-type]
+        self.nodes[i] = replace(g, shape=(*g.shape[:-1], b - a))
+        self.row(down, a, b)  # type: ignore[arg-type]
+
+    def head(self, i: int) -> None:
+        n = self.nodes[i]
+        w = n.inputs[1]
+        if not isinstance(w, WeightRef):
+            return
+        slices = even_slices(n.shape[-1], self.world)
+        a, b = slices[self.rank]
+        if not self.splits((w, 0, a, b)):
+            return
+        part = f"{n.output}.part"
+        self.nodes[i] = replace(n, inputs=(n.inputs[0], self.shard(w, 0, a, b)), output=part,
+                                shape=(*n.shape[:-1], b - a))
+        self.after[i] = [Node("all_gather", (ValueRef(part),), n.output, n.shape,
+                              {"group": self.group, "sizes": [y - x for x, y in slices]})]
+
+    def run(self) -> Graph:
+        for i, node in enumerate(list(self.nodes)):
+            if node.op == "attention":
+                self.attention(i)
+            elif node.op == "gated":
+                self.mlp(i)
+            elif node.op == "logits":
+                self.head(i)
+        nodes = []
+        for i, node in enumerate(self.nodes):
+            nodes.append(node)
+            nodes.extend(self.after.get(i, []))
+        out = Graph(self.graph.shape, nodes, dict(self.graph.inputs), {}, self.state, list(self.graph.outputs))
+        for node in nodes:
+            for ref in node.inputs:
+                if isinstance(ref, WeightRef):
+                    s = self.shards.get(ref.name)
+                    out.weights[ref.name] = s.shape(self.graph.weights[s.base]) if s else self.graph.weights[ref.name]
+        return out
+
+
+def shard(graph: Graph, rank: int, world: int, group: str,
+          can_split: Splittable | None = None) -> tuple[Graph, dict[str, Shard]]:
+    """Rank `rank` of `world`'s step, and the shards of stored weights it reads (by their new names). Its
+    collectives run over the Coordinator whose key is `group`."""
+    if world == 1:
+        return graph, {}
+    p = _Pass(graph, rank, world, group, can_split or (lambda s: True))
+    out = p.run()
+    return out, {name: s for name, s in p.shards.items() if name in out.weights}
+
+
+__all__ = ["Shard", "even_slices", "shard"]

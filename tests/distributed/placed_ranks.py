@@ -1,0 +1,59 @@
+"""What each spawned rank runs in the distributed tests (a module of its own: a spawned process imports the
+function it runs by module and name). Each returns its results on rank 0 only."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Unsupported, open_executor
+from poot_core.distributed import Coordinator, Placement, RankFailure
+
+OPTIONS = {"capacity": 64, "prefill_chunk": 8}
+
+
+def logits_and_tokens(coordinator: Coordinator, jobs: list[tuple[str, str, Any, list[int], int]]) -> dict[str, Any]:
+    """For each (key, checkpoint, placement, prompt, new tokens): the placed driver's logits over the prompt
+    (chunked prefill), its greedy tokens, or the text of a typed refusal."""
+    out: dict[str, Any] = {}
+    for key, path, placement, prompt, new in jobs:
+        try:
+            driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement(placement),
+                                   open_executor("cpu"), DriverOptions(**OPTIONS))
+            logits = driver.logits(prompt)
+            tokens = driver.generate(GenerateRequest(prompt, max_new=new, ignore_eos=True)).tokens
+            out[key] = (logits, tokens)
+        except Unsupported as exc:  # a typed refusal: every rank refuses alike
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out if coordinator.first else {}
+
+
+def die_while_decoding(coordinator: Coordinator, path: str, placement: str, die_rank: int) -> Any:
+    """Rank `die_rank` exits in the middle of a generation; the others report what they raised, and how soon."""
+    driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement(placement), open_executor("cpu"),
+                           DriverOptions(**OPTIONS))
+    steps = 0
+
+    def on_token(token: int, piece: str) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3 and coordinator.rank == die_rank:
+            os._exit(3)
+
+    t0 = time.monotonic()
+    try:
+        driver.generate(GenerateRequest([5, 6, 7, 8], max_new=20, ignore_eos=True), on_token)
+    except RankFailure as exc:
+        return {"error": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def single(path: str, prompt: list[int], new: int) -> tuple[np.ndarray, list[int]]:
+    """The same on one process, unplaced: the reference."""
+    driver = Driver(ModelHandle.load(Path(path)), open_executor("cpu"), DriverOptions(**OPTIONS))
+    logits = driver.logits(prompt)
+    return logits, driver.generate(GenerateRequest(prompt, max_new=new, ignore_eos=True)).tokens
