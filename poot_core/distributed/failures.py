@@ -4,6 +4,8 @@ raw gloo/NCCL trace."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from poot_core.errors import PootError
 
 
@@ -11,9 +13,11 @@ class RankFailure(PootError):
     """A rank of a placed model failed. `rank`: the rank that reports it (None: the spawning parent); `op`: the
     collective or step that failed; the message says which peer or what timed out, and what to do."""
 
-    def __init__(self, message: str, *, rank: int | None = None, op: str = "") -> None:
+    def __init__(self, message: str, *, rank: int | None = None, op: str = "",
+                 results: dict[int, Any] | None = None) -> None:
         self.rank = rank
         self.op = op
+        self.results = results or {}  # from spawn: what the ranks that finished returned
         super().__init__(message)
 
 

@@ -88,7 +88,7 @@ def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: flo
             errors[r] = f"did not finish within {timeout:g} s (stopped)"
     if errors:
         lines = [f"rank {r}: {errors[r]}" for r in sorted(errors)]
-        raise RankFailure(f"{len(errors)} of {n} ranks failed:\n" + "\n".join(lines))
+        raise RankFailure(f"{len(errors)} of {n} ranks failed:\n" + "\n".join(lines), results=results)
     return [results[r] for r in range(n)]
 
 

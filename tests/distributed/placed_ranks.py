@@ -32,8 +32,9 @@ def logits_and_tokens(coordinator: Coordinator, jobs: list[tuple[str, str, Any, 
     return out if coordinator.first else {}
 
 
-def die_while_decoding(coordinator: Coordinator, path: str, placement: str, die_rank: int) -> Any:
-    """Rank `die_rank` exits in the middle of a generation; the others report what they raised, and how soon."""
+def fail_while_decoding(coordinator: Coordinator, path: str, placement: str, how: str) -> Any:
+    """The last rank exits ("die") or stops answering for a while ("hang") in the middle of a generation; the
+    others report what they raised, and how soon."""
     driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement(placement), open_executor("cpu"),
                            DriverOptions(**OPTIONS))
     steps = 0
@@ -41,7 +42,9 @@ def die_while_decoding(coordinator: Coordinator, path: str, placement: str, die_
     def on_token(token: int, piece: str) -> None:
         nonlocal steps
         steps += 1
-        if steps == 3 and coordinator.rank == die_rank:
+        if steps == 3 and coordinator.last:
+            if how == "hang":
+                time.sleep(4 * coordinator.timeout)
             os._exit(3)
 
     t0 = time.monotonic()
