@@ -20,7 +20,7 @@ from .kernels.runtime import DeviceArray, Runtime
 from .kernels.weights import FORMATS, DeviceWeight, ExpertStack, row_range, upload_stack, upload_weight
 
 DENSE_FORMATS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-GGUF_TYPES = tuple(name for name in FORMATS if name.startswith("Q"))
+GGUF_TYPES = tuple(name for name in FORMATS if name not in DENSE_FORMATS.values())
 WEIGHT_KINDS = frozenset(DENSE_FORMATS) | frozenset(f"gguf.{t}" for t in GGUF_TYPES)
 # Matrices that read the same input, stored one after another in one buffer so that a one-token step
 # reads them in one dispatch; each stays addressable alone as a row range of the concatenation.

@@ -13,11 +13,15 @@ _GEMV_ROWS = 4  # must match ROWS in gemv.wgsl
 GEMV_FORMATS = {"bf16": 8, "f16": 8, "f32": 4}  # dense formats with a one-token shader: values per 16 bytes
 
 
-def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False):
-    source = shader_source(kernel, "bytes", weight.fmt.shader)
+def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False, one_token: bool = False):
+    source = shader_source(kernel, "bytes", *weight.fmt.sources())
+    variant = "bias" if bias else ""
     if bias:
         source = source.replace("//BIAS ", "")
-    return batch.runtime.pipeline(f"{kernel}:{weight.fmt.name}", source, "bias" if bias else "")
+    if one_token:  # a decode step of a packed format: each unit's products for one token, not four
+        source = source.replace("const TOKENS: u32 = 4u;", "const TOKENS: u32 = 1u;")
+        variant += ":one"
+    return batch.runtime.pipeline(f"{kernel}:{weight.fmt.name}", source, variant)
 
 
 def linear(
@@ -32,7 +36,7 @@ def linear(
     if tokens == 1 and weight.fmt.name in GEMV_FORMATS and weight.cols % GEMV_FORMATS[weight.fmt.name] == 0:
         gemv(batch, x, weight, out, bias)
         return
-    pipeline = _pipeline(batch, "linear", weight, bias is not None)
+    pipeline = _pipeline(batch, "linear", weight, bias is not None, one_token=tokens == 1)
     token_groups = -(-tokens // _TOKENS_PER_GROUP)
     if token_groups > MAX_GROUPS:
         raise Unsupported(Reason.SHAPE, "linear", f"{tokens} tokens exceed one dispatch")

@@ -44,7 +44,7 @@ def _row_grid(rows: int, second: int) -> tuple[int, int, int]:
 
 
 def _stack_pipeline(batch: Batch, kernel: str, stack: ExpertStack, act: str = "") -> object:
-    source = shader_source(kernel, "activations", "bytes", stack.weight.fmt.shader)
+    source = shader_source(kernel, "activations", "bytes", *stack.weight.fmt.sources())
     if act:
         source = source.replace("ACTIVATION(", f"{act}(")
     return batch.runtime.pipeline(f"{kernel}:{stack.weight.fmt.name}", source, act)

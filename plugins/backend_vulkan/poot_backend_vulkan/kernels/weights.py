@@ -22,6 +22,10 @@ class WeightFormat:
     block_values: int  # values per block along a row
     block_bytes: int  # bytes per block
     shader: str  # the wgsl file holding its decode_unit
+    helpers: tuple[str, ...] = ()  # wgsl files its decode_unit calls into (after bytes.wgsl)
+
+    def sources(self) -> tuple[str, ...]:
+        return (*self.helpers, self.shader)
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block_values * self.block_bytes
@@ -36,8 +40,15 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q4_0", 32, 18, "fmt_q4_0"),
         WeightFormat("Q4_1", 32, 20, "fmt_q4_1"),
         WeightFormat("Q8_0", 32, 34, "fmt_q8_0"),
-        WeightFormat("Q4_K", 256, 144, "fmt_q4_k"),
+        WeightFormat("Q5_0", 32, 22, "fmt_q5_0"),
+        WeightFormat("Q5_1", 32, 24, "fmt_q5_1"),
+        WeightFormat("IQ4_NL", 32, 18, "fmt_iq4_nl", ("iq4_values",)),
+        WeightFormat("Q2_K", 256, 84, "fmt_q2_k"),
+        WeightFormat("Q3_K", 256, 110, "fmt_q3_k"),
+        WeightFormat("Q4_K", 256, 144, "fmt_q4_k", ("kscale",)),
+        WeightFormat("Q5_K", 256, 176, "fmt_q5_k", ("kscale",)),
         WeightFormat("Q6_K", 256, 210, "fmt_q6_k"),
+        WeightFormat("IQ4_XS", 256, 136, "fmt_iq4_xs", ("iq4_values",)),
     )
 }
 _HOST_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}

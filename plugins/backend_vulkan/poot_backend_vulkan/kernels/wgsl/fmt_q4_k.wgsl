@@ -1,14 +1,5 @@
 // GGUF Q4_K: 144-byte super-blocks of 256 values: f16 d, f16 dmin, 12 bytes of packed 6-bit
-// (scale, min) pairs for 8 sub-blocks of 32, then 128 bytes of nibbles. Unit u is one sub-block.
-fn q4k_scale_min(sc: u32, j: u32) -> vec2<f32> {
-    if (j < 4u) {
-        return vec2<f32>(f32(byte_at(sc + j) & 63u), f32(byte_at(sc + j + 4u) & 63u));
-    }
-    let s = (byte_at(sc + j + 4u) & 15u) | ((byte_at(sc + j - 4u) >> 6u) << 4u);
-    let m = (byte_at(sc + j + 4u) >> 4u) | ((byte_at(sc + j) >> 6u) << 4u);
-    return vec2<f32>(f32(s), f32(m));
-}
-
+// (scale, min) pairs for 8 sub-blocks of 32 (kscale.wgsl), then 128 bytes of nibbles. Unit u is one sub-block.
 fn decode_unit(row: u32, u: u32, vals: ptr<function, array<f32, 32>>) {
     let base = (row * (p.cols / 256u) + u / 8u) * 144u;
     let sub = u % 8u;

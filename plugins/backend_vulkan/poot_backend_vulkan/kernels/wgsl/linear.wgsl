@@ -1,7 +1,7 @@
 // y[t, row_offset + r] = sum_k W[r, k] * x[t, k] for one row-chunk of W (a binding of at most
 // maxStorageBufferBindingSize bytes). One workgroup per (row, group of 4 tokens); the 64 threads
 // share the row's 32-value units, so each unit is decoded once for 4 tokens. The BIAS variant adds
-// bias[n] to every output column n.
+// bias[n] to every output column n. linear.py makes TOKENS 1 for a one-token step (a decode of a packed format).
 struct Params {
     rows: u32,
     cols: u32,
