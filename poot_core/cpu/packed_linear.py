@@ -4,15 +4,17 @@ Routes:
 - the GGUF block types of C_TYPES (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, the K-quants, IQ4_XS): a C kernel,
   built once per machine with the system C compiler and cached, reads the memory-mapped blocks directly. For a
   few rows (decode) it computes y = sum_b d_b * (c_b . x_b) + m_b * sum(x_b) per output row in float32 (AVX-512
-  or AVX2), decoding each block's codes once for all rows; for many rows (prefill) tiles of rows are
-  dequantized, exactly, into a reused float32 buffer for torch's matmul. The embedding lookup (embed_rows)
-  dequantizes only the picked rows through the same kernels.
+  or AVX2), decoding each block's codes once for all rows; for many rows (prefill) panels of 16 weight rows x
+  512 values are dequantized, exactly, once each and met by every 6 rows of x in a register-tiled float32 FMA
+  kernel (csrc/gemm.c). The embedding lookup (embed_rows) dequantizes only the picked rows through the same
+  kernels.
 - every other layout and type, or no C compiler: tiles of a few MB are dequantized by
   poot_core.checkpoint.quant.dequantize (vectorized torch) and multiplied with torch's matmul.
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
 With LoadOptions(cpu_activations="q8") (GGUF only) the decode product of every type of Q8_TYPES (all of
 C_TYPES) quantizes each row of x to 8 bits per 32 values and sums integer products (csrc/q8dot.c): llama.cpp's
-arithmetic, not exact (about 1e-2 relative); prefill stays exact.
+arithmetic, not exact (about 1e-2 relative), and so does prefill (poot_gemm_q8: x quantized once per product,
+each row's result bit for bit its decode result).
 Dense bf16/f16 weights (dense16_gemv, dense16_tiles) follow the same two routes from their exactly widened
 values. Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c,
 dense16.c, gather.c and q8dot.c, built by poot_core.cpu.c_kernels.
@@ -86,7 +88,7 @@ C_TYPES: dict[str, CKernel] = {
 
 # Decode products with 8-bit activations (LoadOptions(cpu_activations="q8"), marked on the weight as
 # meta["cpu_activations"] == "q8"): csrc/q8dot.c's poot_gemv_q8 and its type ids. Every type of C_TYPES has one,
-# so none keeps the exact route under q8; prefill (tiles) stays exact for all.
+# so none keeps the exact route under q8; prefill takes poot_gemm_q8 (the same arithmetic) for all.
 Q8_TYPES: dict[str, int] = {
     "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "IQ4_NL": 5,
     "Q4_K": 6, "Q5_K": 7, "Q6_K": 8, "IQ4_XS": 9, "Q2_K": 10, "Q3_K": 11,
@@ -110,7 +112,11 @@ class _Plan:
     rows: Callable[..., None]  # csrc/rows.c's poot_gemv_rows: gemv over any number of rows, `few` a call
     gemv_address: int
     few: int  # rows per gemv call in poot_gemv_rows: FUSED_MAX_ROWS, or 1 (see CKernel.one_row_route)
-    many: Callable[..., None] | None  # CKernel.many, where the type has one (and x is not quantized to q8)
+    many: Callable[..., None] | None  # CKernel.many, or poot_gemm_q8 where x is quantized to q8
+    q8: bool  # the weight is marked cpu_activations="q8": prefill through poot_gemm_q8 too
+    block: int  # values per block
+    block_bytes: int
+    panels: Callable[..., None]  # csrc/gemm.c's poot_gemm_panels (the exact prefill product)
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """flat: float32 [m, in] contiguous. Beyond FUSED_MAX_ROWS rows (a batched serving step) the type's `many`
@@ -132,17 +138,19 @@ class _Plan:
         return y
 
     def tiles(self, flat: torch.Tensor) -> torch.Tensor:
-        """Tiles of rows dequantized into a reused float32 buffer, each multiplied by torch's matmul."""
-        n, k = self.out_features, self.in_features
-        tile = max(1, min(n, TILE_BYTES // (4 * k)))
-        buffer = torch.empty(tile, k)
-        out = torch.empty(flat.shape[0], n)
+        """The product of many rows (prefill) in C: under q8, x quantized once and the decode kernel's integer
+        sums (poot_gemm_q8); else panels of W dequantized exactly and float32 FMA sums (poot_gemm_panels)."""
+        flat = flat.contiguous()
+        m, n = flat.shape[0], self.out_features
+        out = torch.empty(m, n)
         threads = torch.get_num_threads()
-        for start in range(0, n, tile):
-            rows = min(tile, n - start)
-            self.dequant(self.type_id, self.address + start * self.row_bytes, self.row_bytes, rows,
-                         self.blocks_per_row, buffer.data_ptr(), threads)
-            out[:, start : start + rows] = flat @ buffer[:rows].T
+        if self.q8:
+            assert self.many is not None  # poot_gemm_q8
+            self.many(self.gemv_type, self.address, self.row_bytes, n, self.blocks_per_row, flat.data_ptr(), m,
+                      out.data_ptr(), threads)
+        else:
+            self.panels(self.dequant_address, self.type_id, self.address, self.row_bytes, n, self.blocks_per_row,
+                        self.block, self.block_bytes, flat.data_ptr(), m, out.data_ptr(), threads)
         return out
 
 
@@ -153,7 +161,7 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
     plan = _plans.get(w)
     if plan is None:
         blocks, kind = w.parts["blocks"], C_TYPES[w.meta["type"]]
-        elements = gb.BLOCK_SIZES[w.meta["type"]][0]
+        elements, size = gb.BLOCK_SIZES[w.meta["type"]]
         dequant = getattr(lib, kind.dequant)
         q8 = w.meta.get("cpu_activations") == "q8" and w.meta["type"] in Q8_TYPES
         gemv, gemv_type = (lib.poot_gemv_q8, Q8_TYPES[w.meta["type"]]) if q8 else (getattr(lib, kind.gemv),
@@ -162,7 +170,8 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
                      kind.type_id, blocks.data_ptr(), blocks.stride(0), w.shape[0], w.shape[1] // elements,
                      w.shape[1], gemv_type, lib.poot_gemv_rows, ctypes.cast(gemv, ctypes.c_void_p).value or 0,
                      1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS,
-                     getattr(lib, kind.many) if kind.many and not q8 else None)
+                     lib.poot_gemm_q8 if q8 else getattr(lib, kind.many) if kind.many else None,
+                     q8, elements, size, lib.poot_gemm_panels)
         _plans[w] = plan
     return plan
 
@@ -253,15 +262,24 @@ NATIVE_16 = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx51
 
 
 def dense16_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """float32 x [..., k] @ W^T for a bf16/f16 W [n, k] as the float32 product: tiles of W's rows widened
-    exactly into a reused float32 buffer, each multiplied by torch's float32 matmul. None where the CPU has a
-    native product in W's dtype (the caller uses oneDNN's) or W is not such a matrix."""
+    """float32 x [..., k] @ W^T for a bf16/f16 W [n, k] as the float32 product: panels of W's rows widened
+    exactly and float32 FMA sums in C (csrc/gemm.c), or without the C kernels tiles widened into a reused
+    float32 buffer, each multiplied by torch's float32 matmul. None where the CPU has a native product in W's
+    dtype (the caller uses oneDNN's) or W is not such a matrix."""
     if w.dim() != 2 or w.dtype not in NATIVE_16 or x.dtype != torch.float32:
         return None
     if any(flag in cpu_flags() for flag in NATIVE_16[w.dtype]):
         return None
     n, k = w.shape
     flat = x.reshape(-1, k)
+    lib = kernels()
+    if lib is not None and w.stride(1) == 1:
+        flat = flat.contiguous()
+        y = torch.empty(flat.shape[0], n)
+        widen = ctypes.cast(lib.poot_widen16, ctypes.c_void_p).value or 0
+        lib.poot_gemm_panels(widen, int(w.dtype == torch.float16), w.data_ptr(), 2 * w.stride(0), n, k, 1, 2,
+                             flat.data_ptr(), flat.shape[0], y.data_ptr(), torch.get_num_threads())
+        return y.reshape(*x.shape[:-1], n)
     tile = min(n, tile_rows(k))
     buffer = torch.empty(tile, k)
     out = torch.empty(flat.shape[0], n)

@@ -141,10 +141,8 @@ def _packed(blocks: np.ndarray, type_name: str, cols: int) -> PackedWeight:
 
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("batch", [1, 3, 64, 77])
-def test_packed_linear_takes_the_c_route(c_route: CountingLib, monkeypatch: pytest.MonkeyPatch, type_name: str,
-                                         batch: int) -> None:
+def test_packed_linear_takes_the_c_route(c_route: CountingLib, type_name: str, batch: int) -> None:
     out_features, cols = 300, 512
-    monkeypatch.setattr(pl, "TILE_BYTES", 4 * cols * 7)  # prefill tiles of 7 rows: 300 = 42 * 7 + 6
     blocks = blocks_of(type_name, out_features, cols, seed=batch)
     w = _packed(blocks, type_name, cols)
     assert pl.uses_c_kernel(w)
@@ -152,11 +150,12 @@ def test_packed_linear_takes_the_c_route(c_route: CountingLib, monkeypatch: pyte
     y = pl.packed_linear(x, w)
     ref = _reference(blocks, type_name)
     expect = x.double().numpy() @ ref.astype(np.float64).T
-    # torch's float32 matmul for the tiles: a looser sum-order bound than the kernel's own
+    # the prefill panels sum each output in one FMA chain over k: a looser sum-order bound than the kernel's own
     assert (np.abs(y.numpy() - expect) <= _bound(x.numpy(), ref, 1e-5)).all()
     few = batch <= pl.FUSED_MAX_ROWS
     if not few:
-        assert c_route.calls == Counter({"poot_dequant_kl": 43})
+        # csrc/gemm.c: one call, dequantizing W in panels of 16 rows (300 = 18 * 16 + 12) of 512 values
+        assert c_route.calls == Counter({"poot_gemm_panels": 1, "poot_dequant_kl": 19})
     elif batch == 1:
         assert c_route.calls == Counter({"poot_gemv_kl": 1})
     else:  # 2-4 rows of these types: csrc/rows.c gives each row gemv calls of its own (one per chunk of W), since
@@ -174,8 +173,8 @@ def test_tiny_model_runs_on_the_c_kernels(c_route: CountingLib, tmp_path: Path, 
     path, reference = tiny_models.build(tmp_path, type_name)
     expect = tiny.reference_logits(reference, tiny_models.PROMPT)
     handle = ModelHandle.load(path)
-    for chunk in (3, 16):  # decode-sized steps (the few-rows kernel), then prefill tiles
+    for chunk in (3, 16):  # decode-sized steps (the few-rows kernel), then prefill panels
         c_route.calls.clear()
         driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=chunk))
         assert tiny.rel_error(driver.logits(tiny_models.PROMPT), expect) <= 1e-3
-        assert c_route.calls["poot_gemv_kl" if chunk <= pl.FUSED_MAX_ROWS else "poot_dequant_kl"] > 0
+        assert c_route.calls["poot_gemv_kl" if chunk <= pl.FUSED_MAX_ROWS else "poot_gemm_panels"] > 0

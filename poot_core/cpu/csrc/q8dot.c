@@ -338,3 +338,52 @@ void poot_gemv_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int6
     free(qx);
     free(dx);
 }
+
+/* Rows of x per panel of poot_gemm_q8: about 128 KiB of quantized x, kept in the core's L2 while its weight
+   rows pass; a multiple of 4. */
+#define Q8_PANEL_BYTES (128 * 1024)
+
+/* y[m, n] = x[m, k] @ W^T for any m (prefill, serving steps) with x quantized once per call: every row of y is
+   bit for bit what poot_gemv_q8 gives that row (the same quantization and the same q8_row sums), the weight's
+   codes decoded once per 4 rows of x. OpenMP over chunks of weight rows; each chunk meets x a panel of rows at
+   a time, each weight row (in L1) every 4 rows of the panel. */
+void poot_gemm_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb, const float *x, int64_t m,
+                  float *y, int threads) {
+    const int64_t k = nb * (type >= A_Q4_K ? 256 : 32);
+    int8_t *qx = malloc((size_t)(m * k));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * (m * k / 32) + m * k / 16));
+    if (!qx || !dx) {
+        free(qx);
+        free(dx);
+        for (int64_t i = 0; i < m * n; i++) y[i] = NAN;
+        return;
+    }
+    float *dxs = dx + m * k / 32, *dxs32 = dxs + m * k / 16;
+    int64_t panel = Q8_PANEL_BYTES / (k > 0 ? k : 1) / 4 * 4;
+    if (panel < 4) panel = 4;
+    int64_t chunk = (n + 4 * threads - 1) / (4 * threads);
+    if (chunk > 64) chunk = 64;
+    if (chunk < 1) chunk = 1;
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            poot_quantize_q8(x + r * k, 1, k, qx + r * k, dx + r * (k / 32), dxs + r * (k / 16));
+            for (int64_t i = r * (k / 32); i < (r + 1) * (k / 32); i++) dxs32[i] = dxs[2 * i] + dxs[2 * i + 1];
+        }
+        #pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t o0 = c * chunk, o1 = o0 + chunk < n ? o0 + chunk : n;
+            for (int64_t p0 = 0; p0 < m; p0 += panel) {
+                const int64_t p1 = p0 + panel < m ? p0 + panel : m;
+                for (int64_t o = o0; o < o1; o++)
+                    for (int64_t r0 = p0; r0 < p1; r0 += 4)
+                        q8_row(type, (int)(p1 - r0 < 4 ? p1 - r0 : 4), w + o * row_bytes, nb, qx + r0 * k,
+                               dx + r0 * (k / 32), dxs + r0 * (k / 16), dxs32 + r0 * (k / 32), k, y + r0 * n + o, n);
+            }
+        }
+    }
+    free(qx);
+    free(dx);
+}
