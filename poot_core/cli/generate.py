@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from poot_core.cli import runtime
+from poot_core.cli import placed, runtime
 from poot_core.cli.args import version
 from poot_core.cli.chat import Conversation, run_conversation
 from poot_core.errors import RequestError
@@ -85,6 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     structured.add_argument("-jf", "--json-schema-file", metavar="FILE", help="read the --json-schema from a file")
     structured.add_argument("--json-object", action="store_true",
                             help="the reply is one JSON object (--json prints the result as JSON instead)")
+    placed.add_flags(p)
     p.add_argument("--prefill-chunk", type=int, dest="batch_size", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"poot {version()}")
     p.set_defaults(run=run)
@@ -251,6 +252,9 @@ def _prompt_text(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
+    spawned = placed.launch(args)  # --tp/--pp: N ranks run this command; None: this process runs the model
+    if spawned is not None:
+        return spawned
     template = _read_template(args)
     model = Path(args.model)
     if not model.exists():

@@ -26,8 +26,9 @@ _ONE_SEQUENCE = "poot generate runs one sequence"
 
 _GROUPS: list[tuple[tuple[str, ...], str]] = [
     (("-ngl", "--gpu-layers", "--n-gpu-layers"), _ONE_DEVICE),
-    (("-dev", "--device", "--list-devices", "-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu",
-      "--rpc"), _ONE_DEVICE + "; `poot plugins` lists the backends"),
+    (("-dev", "--device", "--list-devices", "-sm", "--split-mode", "-mg", "--main-gpu",
+      "--rpc"), _ONE_DEVICE + "; `poot plugins` lists the backends; several devices: --tp N (llama.cpp's "
+                "-sm row) or --pp N (-sm layer), with --tensor-split shares"),
     (("-cnv",), "use --conversation (poot has no short form)"),
     (("-no-cnv",), "use --no-conversation (poot has no short form)"),
     (("-st",), "use --single-turn (poot has no short form)"),

@@ -167,7 +167,8 @@ def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: boo
          draft: Any = None) -> Loaded:
     """Open the device, load the checkpoint and prepare the driver for the chosen window (and `draft`, a
     DraftPolicy, for speculative decoding)."""
-    from poot_core import Driver, DriverOptions, ModelHandle
+    from poot_core import DriverOptions, ModelHandle
+    from poot_core.cli import placed
     from poot_core.cli.progress import warm_with_progress
 
     t0 = time.perf_counter()
@@ -187,7 +188,7 @@ def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: boo
     options = DriverOptions(capacity=ctx, prefill_chunk=min(args.batch_size, ctx))
     if draft is not None:
         options.draft = draft
-    driver = Driver(handle, executor, options)
+    driver = placed.driver(args, handle, executor, options)  # placed over --tp/--pp ranks when there are any
     if not logits:
         driver.serve()
     seconds = time.perf_counter() - t0

@@ -99,6 +99,7 @@ ACCEPTED: dict[str, tuple[list[str], str, object]] = {
     "--grammar-file": (["g.gbnf"], "grammar_file", "g.gbnf"),
     "-j": (["{}"], "json_schema", "{}"), "--json-schema": (["{}"], "json_schema", "{}"),
     "-jf": (["s.json"], "json_schema_file", "s.json"), "--json-schema-file": (["s.json"], "json_schema_file", "s.json"),
+    "-ts": (["3,1"], "tensor_split", "3,1"), "--tensor-split": (["3,1"], "tensor_split", "3,1"),
 }
 SPECIAL = {"-h", "--help", "--version"}  # print and exit 0: checked below
 

@@ -1,0 +1,39 @@
+"""`poot generate --tp N / --pp N`: the command spawns its ranks and prints rank 0's reply, the same greedy
+tokens as one process; flag mistakes and refusals are one line before any rank starts or from rank 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poot_core.cli.main import main
+
+BASE = ["-p", "The capital of France is", "-n", "6", "--no-chat-template", "--json", "-c", "64", "--ignore-eos"]
+
+
+def reply(capfd, *argv: str) -> dict:
+    assert main(["generate", *argv]) == 0
+    out = capfd.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out  # the other ranks print nothing
+    return json.loads(out[0])
+
+
+def test_tp_and_pp_print_the_one_process_tokens(tiny_checkpoint, capfd):
+    model = str(tiny_checkpoint("qwen2"))
+    alone = reply(capfd, "-m", model, *BASE)
+    assert reply(capfd, "-m", model, *BASE, "--tp", "2")["tokens"] == alone["tokens"]
+    assert reply(capfd, "-m", model, *BASE, "--pp", "2", "-ts", "2,1")["tokens"] == alone["tokens"]
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--tp", "2", "--pp", "2"], "give one"),
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["-ts", "3,1"], "give --pp N"),
+    (["--pp", "2", "-ts", "3,1,1"], "3 shares for 2 ranks"),
+    (["--pp", "2", "--lookup"], "speculative decoding"),
+])
+def test_flag_mistakes_are_refused_before_any_rank(tiny_checkpoint, capfd, flags, words):
+    assert main(["generate", "-m", str(tiny_checkpoint("qwen2")), *BASE, *flags]) == 1
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
