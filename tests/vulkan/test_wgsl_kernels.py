@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -117,11 +118,11 @@ def test_gemv_matches_matmul_with_both_reductions(rt: Runtime, small_rt: Runtime
         x = rng.standard_normal((1, cols)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
         want = x.astype(np.float64) @ dense.T.astype(np.float64) + bias
-        for subgroups in _reductions(runtime):
-            args = (runtime.upload(x), weight, runtime.empty((1, rows)), runtime.upload(bias), *subgroups)
+        for subgroups, splits in itertools.product(_reductions(runtime), (1, 3)):  # split-K: ranges and a combine
+            args = (runtime.upload(x), weight, runtime.empty((1, rows)), runtime.upload(bias), *subgroups, splits)
             out = args[2]
             run(runtime, lambda batch, args=args: gemv(batch, *args))
-            assert rel_err(runtime.read(out), want) < BOUNDS[fmt], subgroups
+            assert rel_err(runtime.read(out), want) < BOUNDS[fmt], (subgroups, splits)
 
 
 @pytest.mark.parametrize("parts", [(24, 8, 8), (40, 40)])
@@ -137,9 +138,9 @@ def test_gemv_writes_a_concatenation_to_its_parts(rt: Runtime, small_rt: Runtime
     want = x.astype(np.float64) @ dense.T.astype(np.float64)
     for runtime in (rt, small_rt):
         weight = upload_weight(runtime, data, "bf16", (rows, cols))
-        for subgroups in _reductions(runtime):
+        for subgroups, splits in itertools.product(_reductions(runtime), (1, 2)):
             outs = [runtime.empty((1, n)) for n in parts]
-            args = (runtime.upload(x), weight, outs, None, *subgroups)
+            args = (runtime.upload(x), weight, outs, None, *subgroups, splits)
             run(runtime, lambda batch, args=args: gemv(batch, *args))
             got = np.concatenate([runtime.read(o) for o in outs], axis=1)
             assert rel_err(got, want) < HALF
@@ -419,3 +420,12 @@ def test_decode_step_is_one_submit(rt: Runtime) -> None:
     want_logits = rms_reference(table[[42]], norm_w, 1e-5, 0.0) @ head.T.astype(np.float64)
     assert rel_err(rt.read(logits), want_logits) < HALF
     assert int(rt.read(next_id)[0]) == int(want_logits.argmax())
+
+
+def test_split_k_is_chosen_for_few_long_rows() -> None:
+    from poot_backend_vulkan.kernels.linear import MAX_SPLITK, SPLITK_GROUPS, split_count
+
+    assert split_count(SPLITK_GROUPS, 4096) == 1  # enough rows alone
+    assert split_count(SPLITK_GROUPS // 2, 4096) == 2
+    assert split_count(8, 4096) == MAX_SPLITK
+    assert split_count(8, 300) == 1  # a short row is not cut

@@ -11,6 +11,9 @@ from .weights import DeviceWeight
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
 _GEMV_ROWS = 4  # must match ROWS in gemv.wgsl
 GEMV_FORMATS = {"bf16": 8, "f16": 8, "f32": 4}  # dense formats with a one-token shader: values per 16 bytes
+# split-K: below this many row workgroups a GEMV's rows are also cut along K (not yet tuned on a GPU)
+SPLITK_GROUPS = 2048
+MAX_SPLITK = 8
 
 
 def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False, one_token: bool = False):
@@ -56,13 +59,15 @@ def gemv(
     bias: DeviceArray | None = None,
     subgroups: bool | None = None,
     warp: bool | None = None,
+    splits: int | None = None,
 ) -> None:
     """out[N] = W[N, K] @ x[K] (+ bias) for one token of dense weights, read as 16-byte words (gemv.wgsl).
 
     `out` may be a list of up to three arrays whose sizes add up to N: consecutive row ranges of W go to
     each (a q/k/v or gate/up concatenation in one dispatch; no bias then).
     subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes); with
-    subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False."""
+    subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False.
+    splits: cut each row's K into this many ranges, summed by a combine pass (None: split_count)."""
     per_word = GEMV_FORMATS.get(weight.fmt.name)
     if per_word is None or weight.cols % per_word:
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
@@ -88,22 +93,53 @@ def gemv(
         rows_per_group = 256 // 32
         source = source.replace("const ROWS: u32 = 4u;", f"const ROWS: u32 = {rows_per_group}u;")
         source = source.replace("const LANES: u32 = 64u;", "const LANES: u32 = 32u;")
-    variant = flag
-    if bias is not None:
-        source, variant = source.replace("//BIAS ", ""), variant + ":bias"
+    words = weight.cols // per_word
+    if splits is None:
+        splits = split_count(-(-weight.rows // rows_per_group), words)
+    if not 1 <= splits <= MAX_GROUPS:
+        raise Unsupported(Reason.SHAPE, "gemv", f"{splits} splits of a row")
+    span = -(-words // splits)
     split1 = sizes[0] if len(outs) > 1 else weight.rows
     split2 = sizes[0] + sizes[1] if len(outs) > 2 else weight.rows  # past every row: no third output
-    if len(outs) > 1:
-        source, variant = source.replace("//SPLIT ", ""), variant + ":split"
-        if len(outs) == 2:  # the third binding exists in the shader; a scratch word stands in
-            outs.append(DeviceArray(batch.runtime.scratch("gemv_unused", 16), (4,)))
+    if len(outs) == 2:  # the third binding exists in the shaders; a scratch word stands in
+        outs.append(DeviceArray(batch.runtime.scratch("gemv_unused", 16), (4,)))
+    tail = [] if bias is None else [bias.buffer]
+    tail += [o.buffer for o in outs[1:]]
+    variant = flag
+    if splits > 1:  # partial sums to a scratch buffer, then one combine pass writes the outputs
+        source, variant = source.replace("//SPLITK ", ""), variant + ":splitk"
+        target, extra = batch.runtime.scratch("gemv_partial", 4 * splits * weight.rows), []
+    else:
+        source, variant = _flags(source, variant, bias is not None, len(outs) > 1)
+        target, extra = outs[0].buffer, tail
     pipeline = batch.runtime.pipeline(f"gemv:{weight.fmt.name}", source, variant)
-    extra = [] if bias is None else [bias.buffer]
-    extra += [o.buffer for o in outs[1:]]
     for chunk in weight.chunks:
-        params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row, split1, split2)
-        buffers = [chunk.buffer, x.buffer, outs[0].buffer, *extra]
-        batch.dispatch(pipeline, buffers, params, grid_1d(-(-chunk.rows // rows_per_group)))
+        params = pack_params(chunk.rows, weight.cols, chunk.row_start, chunk.first_row, split1, split2, span,
+                             weight.rows)
+        gx, gy, _ = grid_1d(-(-chunk.rows // rows_per_group))
+        batch.dispatch(pipeline, [chunk.buffer, x.buffer, target, *extra], params, (gx, gy, splits))
+    if splits > 1:
+        source, variant = _flags(shader_source("gemv_combine"), "", bias is not None, len(outs) > 1)
+        combine = batch.runtime.pipeline("gemv_combine", source, variant)
+        batch.dispatch(combine, [target, outs[0].buffer, *tail], pack_params(weight.rows, splits, split1, split2),
+                       grid_1d(-(-weight.rows // 64)))
+
+
+def _flags(source: str, variant: str, bias: bool, split: bool) -> tuple[str, str]:
+    """Enable a gemv shader's BIAS or SPLIT (several outputs) lines."""
+    if bias:
+        source, variant = source.replace("//BIAS ", ""), variant + ":bias"
+    if split:
+        source, variant = source.replace("//SPLIT ", ""), variant + ":split"
+    return source, variant
+
+
+def split_count(row_groups: int, words: int) -> int:
+    """Split-K for a GEMV with few row groups and long rows: enough workgroups to fill a large GPU
+    (SPLITK_GROUPS), each split at least 4 x 64 words of a row; 1 when the rows alone give enough."""
+    if row_groups >= SPLITK_GROUPS:
+        return 1
+    return max(1, min(SPLITK_GROUPS // row_groups, words // 256, MAX_SPLITK))
 
 
 def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0) -> None:

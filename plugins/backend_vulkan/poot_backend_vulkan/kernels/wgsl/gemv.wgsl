@@ -7,6 +7,8 @@
 // subgroupAdd with no workgroup memory and no barrier; linear.py rewrites ROWS and LANES for it.
 // The SPLIT variant writes a concatenation's rows to up to three outputs (rows from split1 on to y2, from
 // split2 on to y3), so q/k/v or gate/up come out of one dispatch in their own buffers.
+// SPLITK: the row's words are cut into p.splits ranges of p.span words, one per workgroup z; each writes its
+// partial sum to y[z * p.total + n] and gemv_combine.wgsl adds them (bias and SPLIT outputs go there then).
 // `gemv_<fmt>.wgsl` supplies PER_WORD (values per 16-byte word) and word_dot(word, index).
 struct Params {
     rows: u32,
@@ -15,6 +17,8 @@ struct Params {
     first_row: u32,
     split1: u32,
     split2: u32,
+    span: u32,
+    total: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,8 +48,9 @@ fn main(
     var acc = 0.0;
     if (row < p.rows) {
         let base = (p.first_row + row) * words;
-        var i = lane;
-        for (; i + 3u * LANES < words; i += 4u * LANES) {
+        let end = min(words, (wid.z + 1u) * p.span);
+        var i = wid.z * p.span + lane;
+        for (; i + 3u * LANES < end; i += 4u * LANES) {
             let w0 = wt[base + i];
             let w1 = wt[base + i + LANES];
             let w2 = wt[base + i + 2u * LANES];
@@ -53,7 +58,7 @@ fn main(
             acc += word_dot(w0, i) + word_dot(w1, i + LANES);
             acc += word_dot(w2, i + 2u * LANES) + word_dot(w3, i + 3u * LANES);
         }
-        for (; i < words; i += LANES) {
+        for (; i < end; i += LANES) {
             acc += word_dot(wt[base + i], i);
         }
     }
@@ -79,7 +84,8 @@ fn main(
 //SUBGROUP }
     if (lane == 0u && row < p.rows) {
         var value = total;
-        let n = p.row_offset + row;
+        var n = p.row_offset + row;
+        //SPLITK n += wid.z * p.total;
         //BIAS value += bias[n];
         //SPLIT if (n >= p.split2) {
         //SPLIT     y3[n - p.split2] = value;
