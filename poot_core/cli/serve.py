@@ -54,6 +54,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-rows", type=int, default=8, metavar="N", help="texts per encoder call")
     p.add_argument("--drain", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "mistral", "llama3_json", "pythonic"),
+                   help="how tool calls are read from a free reply (vLLM's names; default: the chat template's "
+                        "format)")
     p.set_defaults(run=run)
 
 
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     keys = KeyRing.load(args.api_keys) if args.api_keys else None
     settings = Settings(args.served_model_name or _name(args.model), args.max_queued, args.max_running, args.drain)
+    settings.tool_call_parser = args.tool_call_parser
     state = ServerState(settings, keys)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="poot serve: %(message)s")
     failure: list[str] = []

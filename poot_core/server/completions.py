@@ -47,7 +47,7 @@ def _state(request: Request) -> ServerState:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     loaded = state.serving(body.model)
-    plan = chat_plan(loaded.text, body, loaded.window)
+    plan = chat_plan(loaded.text, body, loaded.window, state.settings.tool_call_parser)
     return await _serve(state, request, body, [plan], chat=True, text=loaded.text)
 
 
@@ -215,11 +215,12 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
             if isinstance(item, Piece):
                 piece, calls = (item.text, []) if choice.tools is None else choice.tools.push(item.text)
                 logprobs = choice.logprob_block(meta, [] if item.logprobs is None else [item.logprobs])
+                if piece or (logprobs is not None and not calls):
+                    yield meta.chunk([_delta(meta, index, piece, None, logprobs)])
+                    logprobs = None
                 if calls:
                     yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
                                        "finish_reason": None}])
-                elif piece or logprobs is not None:
-                    yield meta.chunk([_delta(meta, index, piece, None, logprobs)])
             elif isinstance(item, Done):
                 open_ -= 1
                 if item.event.reason == "error":
@@ -236,7 +237,8 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
                     if calls:
                         yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
                                            "finish_reason": None}])
-                        reason = finish(choice.tools.tools, calls, reason)
+                    if choice.tools.called:
+                        reason = finish(choice.tools.tools, choice.tools.sent, reason)
                 left = (generation.logprobs or [])[choice.streamed :]
                 yield meta.chunk([_delta(meta, index, "", reason, choice.logprob_block(meta, left))])
             elif isinstance(item, Rejected):

@@ -9,7 +9,7 @@ Fields poot cannot honour yet are refused by name instead of being ignored.
 
 Tools: tool_choice "none" renders the prompt without them; a named function or "required" constrains the reply
 (tool_call_constraint); "auto" (or absent) leaves the reply free and the server parses it in the format of the
-model's chat template (tool_call_format).
+model's chat template or of --tool-call-parser (tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from poot_core.driver.constraints import (
     from_response_format,
     guided_fields,
     tool_call_constraint,
-    tool_call_format,
 )
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.sampling import Sampler
 from poot_core.errors import RequestError
+from poot_core.server import tool_parsers
 from poot_core.server.errors import APIError
 from poot_core.server.schemas import (
     GUIDED_FIELDS,
@@ -156,11 +156,12 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int) -> Plan:
+def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, parser: str | None = None) -> Plan:
+    """parser: --tool-call-parser (tool_parsers.NAMES), None for the chat template's format."""
     _common_refusals(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise refuse("top_logprobs", "needs logprobs: true")
-    tools = _tools(text, body)
+    tools = _tools(text, body, parser)
     constraint = constraint_of(body, None if tools is None else tools.constraint)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -201,7 +202,7 @@ def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constrain
     return response or guided or forced
 
 
-def _tools(text: TextServices, body: ChatCompletionRequest) -> Tools | None:
+def _tools(text: TextServices, body: ChatCompletionRequest, parser: str | None = None) -> Tools | None:
     """The request's tools, or None when there are none or tool_choice is "none"."""
     choice = body.tool_choice
     if not body.tools:
@@ -214,7 +215,7 @@ def _tools(text: TextServices, body: ChatCompletionRequest) -> Tools | None:
         constraint = tool_call_constraint(body.tools, choice, body.parallel_tool_calls)
     except RequestError as err:
         raise refuse("tool_choice", str(err)) from None
-    return Tools(body.tools, choice, tool_call_format(text.vocab.chat_template), constraint)
+    return Tools(body.tools, choice, tool_parsers.choose(parser, text.vocab.chat_template), constraint)
 
 
 def completion_plans(text: TextServices, body: CompletionRequest, window: int) -> list[Plan]:

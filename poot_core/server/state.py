@@ -27,6 +27,7 @@ class Settings:
     max_queued: int = 64  # requests accepted beyond those the engine may run at once
     max_running: int = 32
     drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may take to finish
+    tool_call_parser: str | None = None  # --tool-call-parser; None: the chat template's format
 
 
 @dataclass

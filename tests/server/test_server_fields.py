@@ -1,11 +1,14 @@
-"""`poot serve`'s logit_bias (chat and completions), echo and prompt log-probabilities (completions), and the
-field named by a constraint's compile error, through the official openai client.
+"""`poot serve`'s logit_bias (chat and completions), echo and prompt log-probabilities (completions), an explicit
+--tool-call-parser (mistral), and the field named by a constraint's compile error, through the official openai
+client.
 
 logit_bias is checked against a float64 numpy formula (logits + bias, then argmax) on the logits the offline
 engine recorded for each token, and the reply against the offline engine's under the same bias; prompt
 log-probabilities against torch.log_softmax of the offline Driver's logits on the prompt."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import numpy as np
@@ -23,7 +26,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def server(serve):
-    return serve("--max-running", "4")
+    return serve("--max-running", "4", "--tool-call-parser", "mistral")
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +186,40 @@ def test_prompt_logprobs_follow_log_softmax(client, reference, prompt_logp):
             assert abs(entry[str(t)]["logprob"] - v) < BOUND
             assert entry[str(t)]["rank"] == rank or t == ids[i]
     assert not got.choices[0].text.startswith(PROMPT)  # prompt_logprobs alone does not echo
+
+
+# --- --tool-call-parser mistral ------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# SmolLM2 knows no Mistral format: a regex steers its reply into one, the server's mistral parser reads it
+MISTRAL_CALL = r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Oslo)"\}\}\]'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_mistral_parser_reads_calls_of_a_free_reply(client, stream):
+    kwargs = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": [WEATHER],
+              "extra_body": {"structured_outputs": {"regex": MISTRAL_CALL}}}
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        choice = r.choices[0]
+        found = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        content, reason = choice.message.content, choice.finish_reason
+    else:
+        found, content, reason, chunks = [], "", None, 0
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    chunks += 1
+                    if call.index == len(found):
+                        assert call.id and call.function.name
+                        found.append((call.function.name, call.function.arguments or ""))
+                    else:
+                        found[-1] = (found[-1][0], found[-1][1] + (call.function.arguments or ""))
+                reason = choice.finish_reason or reason
+        assert chunks > 1  # the arguments in fragments
+    assert reason == "tool_calls" and not content
+    assert len(found) == 1 and found[0][0] == "get_weather"
+    assert json.loads(found[0][1])["city"] in ("Paris", "Rome", "Oslo")
