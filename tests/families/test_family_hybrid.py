@@ -117,8 +117,9 @@ def test_paged_layout_and_speculation_are_refused_by_name(hybrid_checkpoint, arc
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_triton_and_vulkan_refuse_the_recurrent_ops_by_name(hybrid_checkpoint, arch):
-    hybrid.assert_gpu_backends_refuse(driver(hybrid_checkpoint(arch)).program(StepShape(1, 1, 128)).graph)
+def test_vulkan_refuses_the_recurrent_ops_by_name_and_triton_binds_them(hybrid_checkpoint, arch):
+    d = driver(hybrid_checkpoint(arch))
+    hybrid.assert_vulkan_refuses_and_triton_prepares(d.program(StepShape(1, 1, 128)).graph, d.handle)
 
 
 def test_granite_experts_are_views_of_the_joined_tensors(hybrid_checkpoint, tmp_path):

@@ -109,9 +109,10 @@ def test_state_of_each_layer_and_refusals(hybrid_checkpoint):
         Driver(ModelHandle.load(path), open_executor("cpu"), options).serve()
 
 
-def test_triton_and_vulkan_refuse_the_delta_rule_by_name(hybrid_checkpoint):
-    graph = driver(hybrid_checkpoint("qwen3next")).program(StepShape(1, 1, 256)).graph
-    assert "gated_delta" in hybrid.assert_gpu_backends_refuse(graph)
+def test_vulkan_refuses_the_delta_rule_by_name_and_triton_binds_it(hybrid_checkpoint):
+    d = driver(hybrid_checkpoint("qwen3next"))
+    graph = d.program(StepShape(1, 1, 256)).graph
+    assert "gated_delta" in hybrid.assert_vulkan_refuses_and_triton_prepares(graph, d.handle)
 
 
 def test_qkv_and_z_are_transformers_split_of_in_proj_qkvz(hybrid_checkpoint, tmp_path):

@@ -1,4 +1,5 @@
-"""Gated activations of the MLP: silu(gate) * up and gelu_tanh(gate) * up."""
+"""Gated activations: silu(gate) * up and gelu_tanh(gate) * up (MLPs), sigmoid(gate) * up (gated attention's
+output gate)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from poot_core.errors import Reason, Unsupported
 from .launch import cdiv, check_dims, check_float, launch, require, unit_stride_last
 from .tuning import Tile, tuning_for_device
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}
 
 
 @triton.jit
@@ -39,13 +40,15 @@ def _gated_kernel(
     u = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if KIND == 0:
         a = g * tl.sigmoid(g)
+    elif KIND == 2:
+        a = tl.sigmoid(g)
     else:
         a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     tl.store(out_ptr + row * out_stride + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor | None = None, *, kind: str = "silu") -> torch.Tensor:
-    """act(gate) * up, with act "silu" or "gelu_tanh" (gelu with the tanh approximation).
+    """act(gate) * up, with act "silu", "gelu_tanh" (gelu with the tanh approximation) or "sigmoid".
 
     gate, up: [rows, n] float32/float16/bfloat16. When `up` is None, `gate` is [rows, 2n] holding the gate
     in its first half and up in its second (a fused gate/up projection). Returns [rows, n] in gate's dtype.

@@ -24,12 +24,13 @@ import poot_kernels_triton as ktr
 from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
-from . import moe, paged_step
+from . import moe, paged_step, recurrent
 from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
 
-GATED = frozenset({"silu", "gelu_tanh"})
+GATED = frozenset({"silu", "gelu_tanh"})  # the MLP's (and the experts' kernels')
+GATE_ACTS = GATED | {"sigmoid"}  # the gated op's: also gated attention's output gate (Qwen3-Next)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -273,9 +274,9 @@ class Binder:
 
     def op_gated(self, node: Node) -> StepFn:
         act = node.attrs["act"]
-        if act not in GATED:
+        if act not in GATE_ACTS:
             raise Unsupported(
-                Reason.OPERATION, f"gated:{act}", f"the {self.backend} backend's gated kernel does {sorted(GATED)}"
+                Reason.OPERATION, f"gated:{act}", f"the {self.backend} backend's gated kernel does {sorted(GATE_ACTS)}"
             )
         g_name, u_name, out, shape = node.inputs[0].name, node.inputs[1].name, node.output, node.shape
 
@@ -334,6 +335,72 @@ class Binder:
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name][:, -1:, :]
+
+        return run
+
+    # --- recurrent layers (poot-family-hybrid): kernels in recurrent.py, state float32 on the device -------
+    def _small(self, node: Node, index: int) -> torch.Tensor | None:
+        """A small stored weight of `node` (a conv kernel, a per-head vector) in float32, widened once here."""
+        w = self.weight(node.inputs[index])
+        if isinstance(w, PackedWeight):
+            raise Unsupported(Reason.QUANTIZATION, f"{w.kind} {node.inputs[index].name} of {node.op}",
+                              f"the {self.backend} backend reads it dense")
+        return None if w is None else w.float().contiguous()
+
+    def op_slice(self, node: Node) -> StepFn:
+        x_name, out = node.inputs[0].name, node.output
+        start, stop = int(node.attrs["start"]), int(node.attrs["stop"])
+
+        def run(s: Step) -> None:
+            s.env[out] = s.env[x_name][..., start:stop]  # a view: the kernels read strided rows
+
+        return run
+
+    def op_short_conv(self, node: Node) -> StepFn:
+        act = node.attrs.get("act")
+        if act not in (None, "silu"):
+            raise Unsupported(Reason.OPERATION, f"short_conv:{act}", "activations: none or silu")
+        x_name, window, out = node.inputs[0].name, node.inputs[3].name, node.output
+        w, b = self._small(node, 1), self._small(node, 2)
+        w = w.reshape(w.shape[0], w.shape[-1])  # Hugging Face's Conv1d stores [C, 1, K]
+
+        def run(s: Step) -> None:
+            s.env[out] = recurrent.short_conv(s.env[x_name], w, b, s.state[window], silu=act == "silu")
+
+        return run
+
+    def op_ssm_scan(self, node: Node) -> StepFn:
+        x_name, dt_name, b_name, c_name = (node.inputs[i].name for i in (0, 1, 3, 4))
+        a_log, d, dt_bias = (self._small(node, i).reshape(-1) for i in (2, 5, 6))  # GGUF: A and D are [H, 1]
+        state, out, limit = node.inputs[7].name, node.output, tuple(node.attrs["dt_limit"])
+
+        def run(s: Step) -> None:
+            e = s.env
+            s.env[out] = recurrent.ssm_scan(e[x_name], e[dt_name], a_log, e[b_name], e[c_name], d, dt_bias,
+                                            s.state[state], limit)
+
+        return run
+
+    def op_gated_delta(self, node: Node) -> StepFn:
+        names = [r.name for r in node.inputs[:5]]  # q, k, v, a, b
+        a_log, dt_bias = (self._small(node, i).reshape(-1) for i in (5, 6))
+        state, out, eps = node.inputs[7].name, node.output, float(node.attrs["eps"])
+
+        def run(s: Step) -> None:
+            q, k, v, a, b = (s.env[n] for n in names)
+            s.env[out] = recurrent.gated_delta(q, k, v, a, b, a_log, dt_bias, s.state[state], eps)
+
+        return run
+
+    def op_gated_rms_norm(self, node: Node) -> StepFn:
+        x_name, gate_name, out, shape = node.inputs[0].name, node.inputs[1].name, node.output, node.shape
+        w = self._small(node, 2).reshape(-1)  # GGUF stores it [groups, group]
+        eps, group, first = float(node.attrs["eps"]), int(node.attrs["group"]), bool(node.attrs.get("norm_first"))
+        act = self.act
+
+        def run(s: Step) -> None:
+            y = recurrent.gated_rms_norm(_rows(s.env[x_name]), _rows(s.env[gate_name]), w, eps, group, first, act)
+            s.env[out] = y.reshape(shape)
 
         return run
 
@@ -583,13 +650,17 @@ class TritonProgram:
         self._load_inputs(inputs)
         env = {n: self._static_in[a:b].reshape(self.graph.inputs[n].shape) for n, a, b in spans}
         # the first runs compile the kernels and settle the allocator, outside the capture; they write
-        # the same K/V the replay will write again, so running them is harmless
+        # the same K/V the replay will write again, so running them is harmless; recurrent state (which they
+        # would advance) is put back as it was
+        kept = {name: state[name].clone() for name, spec in self.graph.state.items() if spec.recurrent}
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._eager(state, dict(env))
         torch.cuda.current_stream(self.device).wait_stream(side)
+        for name, saved in kept.items():
+            state[name].copy_(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._outputs = self._eager(state, dict(env))
