@@ -1,0 +1,23 @@
+// RMSNorm of each token's row, with the residual add before it when has_res: sum = x + res is stored to
+// sum_out (for the sum's other readers) and normalized. out = v / sqrt(mean(v^2) + eps) * (w + offset).
+kernel void rms_norm(global const float* x, global const float* res, int has_res, global float* sum_out,
+                     global const float* w, global float* out, int width, float eps, float offset) {
+    int t = get_group_id(0), lid = get_local_id(0);
+    local float scratch[GROUP];
+    global const float* xr = x + (size_t)t * width;
+    global const float* rr = res + (size_t)t * width;
+    float squares = 0.0f;
+    for (int i = lid; i < width; i += GROUP) {
+        float v = xr[i];
+        if (has_res) {
+            v += rr[i];
+            sum_out[(size_t)t * width + i] = v;
+        }
+        squares = fma(v, v, squares);
+    }
+    float inv = rsqrt(group_sum(squares, scratch) / width + eps);
+    for (int i = lid; i < width; i += GROUP) {
+        float v = has_res ? xr[i] + rr[i] : xr[i];
+        out[(size_t)t * width + i] = v * inv * (w[i] + offset);
+    }
+}

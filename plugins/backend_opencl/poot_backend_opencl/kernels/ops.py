@@ -1,0 +1,147 @@
+"""Host side of the kernels in cl/: each function builds the bound launch(es) of one kernel call.
+
+Shapes are in values; every activation is float32. Weights are read in their stored format: the format's
+decode file (cl/fmt_<name>.cl) is compiled into the linear and embed kernels of that format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poot_core.errors import Reason, Unsupported
+
+from .launch import Arr, DeviceWeight, Launch, Slot, rounded
+from .runtime import Runtime
+
+TILE = 8  # tokens per work-group of the linear kernel (cl/linear.cl)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3, "sigmoid": 4}
+# format -> (values per block, bytes per block)
+FORMATS: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+_HELPERS = {"IQ4_NL": ("iq4_values",), "IQ4_XS": ("iq4_values",), "Q4_K": ("kscale",), "Q5_K": ("kscale",)}
+
+Buffer = Arr | Slot
+
+
+def row_bytes(fmt: str, cols: int) -> int:
+    values, nbytes = FORMATS[fmt]
+    return cols // values * nbytes
+
+
+def format_sources(fmt: str) -> tuple[str, ...]:
+    if fmt not in FORMATS:
+        raise Unsupported(Reason.QUANTIZATION, fmt, f"the OpenCL kernels read {', '.join(FORMATS)}")
+    return ("common", *_HELPERS.get(fmt, ()), f"fmt_{fmt.lower()}", "linear")
+
+
+def _k(rt: Runtime, sources: tuple[str, ...], name: str, **defines: Any) -> Any:
+    return rt.kernel(sources, name, **defines)
+
+
+def linear(rt: Runtime, w: DeviceWeight, x: Arr, y: Arr, tokens: int, bias: Arr | None = None,
+           gate: tuple[Arr, int, int] | None = None) -> Launch:
+    """y[t, :] = W x[t] (+ bias); `gate` = (weights [tokens, experts], experts, e): an expert's product."""
+    g, stride, col = gate if gate is not None else (rt.dummy, 0, -1)
+    kernel = _k(rt, format_sources(w.fmt), "linear")
+    group = rt.limits.group
+    return Launch(rt, kernel, (w.rows * group, -(-tokens // TILE)), (group, 1),
+                  [w, w.row_bytes, w.row0, x, 0, w.cols, tokens, y, 0, w.rows, bias or rt.dummy, bias is not None,
+                   g, stride, col])
+
+
+def embed(rt: Runtime, w: DeviceWeight, ids: Arr, out: Arr, tokens: int, scale: float) -> Launch:
+    group = rt.limits.group
+    return Launch(rt, _k(rt, format_sources(w.fmt), "embed"), (tokens * group,), (group,),
+                  [w, w.row_bytes, w.rows, w.cols, ids, out, scale])
+
+
+def rms_norm(rt: Runtime, x: Arr, w: Arr, out: Arr, tokens: int, width: int, eps: float, offset: float,
+             residual: Arr | None = None, sum_out: Arr | None = None) -> Launch:
+    group = rt.limits.group
+    return Launch(rt, _k(rt, ("common", "norm"), "rms_norm"), (tokens * group,), (group,),
+                  [x, residual or rt.dummy, residual is not None, sum_out or rt.dummy, w, out, width, eps, offset])
+
+
+def rope(rt: Runtime, x: Arr, out: Arr, positions: Arr, inv_freq: Arr, tokens: int, heads: int, head_dim: int,
+         dim: int, neox: bool, factor: float, cache: Buffer | None = None) -> Launch:
+    return Launch(rt, _k(rt, ("rope",), "rope"), (heads, tokens), None,
+                  [x, out, positions, inv_freq, heads, head_dim, dim, neox, factor, cache or rt.dummy,
+                   cache is not None])
+
+
+def kv_write(rt: Runtime, src: Arr, cache: Buffer, positions: Arr, tokens: int, width: int) -> Launch:
+    return Launch(rt, _k(rt, ("rope",), "kv_write"), (rounded(width), tokens), None, [src, cache, positions, width])
+
+
+def attention_dims(rt: Runtime, head_dim: int) -> int:
+    """Values of a head each work-item of the attention kernel holds (a compile-time constant)."""
+    return max(1, -(-head_dim // rt.limits.group))
+
+
+def attention(rt: Runtime, q: Arr, k_cache: Buffer, v_cache: Buffer, positions: Arr, out: Arr, part: Arr,
+              tokens: int, heads: int, kv_heads: int, head_dim: int, split_len: int, splits: int, scale: float,
+              window: int, softcap: float) -> list[Launch]:
+    group = rt.limits.group
+    dims = attention_dims(rt, head_dim)
+    split = _k(rt, ("common", "attention"), "attention_split", DIMS=dims)
+    combine = _k(rt, ("common", "attention"), "attention_combine", DIMS=dims)
+    return [
+        Launch(rt, split, (splits * group, heads, tokens), (group, 1, 1),
+               [q, k_cache, v_cache, positions, part, heads, kv_heads, head_dim, split_len, splits, scale, window,
+                softcap]),
+        Launch(rt, combine, (tokens * heads * group,), (group,), [part, out, heads, head_dim, splits]),
+    ]
+
+
+def _elementwise(rt: Runtime, name: str, n: int, args: list[Any]) -> Launch:
+    return Launch(rt, _k(rt, ("elementwise",), name), (rounded(n),), None, args)
+
+
+def gated(rt: Runtime, gate: Arr, up: Arr, out: Arr, act: str) -> Launch:
+    return _elementwise(rt, "gated", out.size, [gate, up, out, out.size, ACTIVATIONS[act]])
+
+
+def activation(rt: Runtime, x: Arr, out: Arr, act: str) -> Launch:
+    return _elementwise(rt, "activation", out.size, [x, out, out.size, ACTIVATIONS[act]])
+
+
+def binary(rt: Runtime, name: str, a: Arr, b: Arr, out: Arr) -> Launch:
+    return _elementwise(rt, name, out.size, [a, b, out, out.size])
+
+
+def scale(rt: Runtime, x: Arr, out: Arr, factor: float) -> Launch:
+    return _elementwise(rt, "scale", out.size, [x, out, out.size, factor])
+
+
+def softcap(rt: Runtime, x: Arr, out: Arr, cap: float) -> Launch:
+    return _elementwise(rt, "softcap", out.size, [x, out, out.size, cap])
+
+
+def copy(rt: Runtime, src: Arr, out: Arr, count: int, src_offset: int = 0) -> Launch:
+    return _elementwise(rt, "copy", count, [src, src_offset, out, count])
+
+
+def argmax(rt: Runtime, x: Arr, ids: Arr, rows: int, n: int) -> Launch:
+    group = rt.limits.group
+    return Launch(rt, _k(rt, ("elementwise",), "argmax"), (rows * group,), (group,), [x, ids, n])
+
+
+def moe_route(rt: Runtime, logits: Arr, bias: Arr | None, weights: Arr, tokens: int, experts: int,
+              a: dict[str, Any]) -> Launch:
+    return Launch(rt, _k(rt, ("moe",), "moe_route", EXPERTS=experts), (tokens,), None,
+                  [logits, bias or rt.dummy, bias is not None, weights, tokens, int(a["top_k"]),
+                   a["scoring"] == "sigmoid", int(a.get("groups") or 1), int(a.get("topk_groups") or 1),
+                   a.get("group_score") == "top2", bool(a["norm_topk"]), float(a["routed_scale"])])
+
+
+ASSIGN, ADD, SIGMOID, UNIT = 1, 0, 2, 3
+
+
+def moe_accumulate(rt: Runtime, weights: Arr, stride: int, col: int, y: Arr, out: Arr, width: int, tokens: int,
+                   mode: int) -> Launch:
+    return Launch(rt, _k(rt, ("moe",), "moe_accumulate", EXPERTS=1), (rounded(width), tokens), None,
+                  [weights, stride, col, y, out, width, tokens, mode])

@@ -1,0 +1,421 @@
+"""A traced graph -> a prepared OpenCL step: a list of kernels with their arguments bound once.
+
+`OpenCLProgram(...)` checks every node against what the kernels can run (a typed refusal naming the op,
+attribute, shape or device limit otherwise), gives each value a device buffer (reusing a buffer once its last
+reader has run: poot_core.graph.passes.last_use) and turns each node into launches through its op's handler
+(`op_<name>`, the dispatch table of the passes). `run` writes the step's ids and positions, enqueues the
+launches (replay.py) and returns the outputs as fresh buffers (a later step does not overwrite an output the
+caller still holds). The start position is read by the kernels from the positions buffer, so nothing is
+rebound between steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from poot_core import (
+    Graph,
+    Node,
+    Reason,
+    RequestError,
+    Unsupported,
+    ValueRef,
+    WeightRef,
+    check_positions,
+    inverse_frequencies,
+    rope_attention_factor,
+)
+from poot_core.graph import passes
+
+from .kernels import ops
+from .kernels.launch import Arr, DeviceWeight, Launch, Slot
+from .kernels.runtime import Runtime
+from .replay import Output, Step
+from .upload import DeviceWeights
+
+GATED = ("silu", "gelu_tanh", "gelu", "relu")
+ACTIVATIONS = tuple(ops.ACTIVATIONS)
+DECODE_SPLIT = 64  # KV positions per work-group of one-token attention
+MAX_SPLITS = 64  # a long capacity gets longer splits rather than more of them
+PREFILL_SPLITS = 4  # several tokens a step: fewer, longer splits keep the partial results small
+MAX_EXPERTS = 256
+
+
+class _Buffers:
+    """Device buffers for the graph's values, reused by size once the values they hold are dead."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.free: dict[int, list[Any]] = {}
+        self.users: dict[int, int] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: str = "f32") -> Arr:
+        nbytes = max(4, 4 * math.prod(shape))
+        pool = self.free.get(nbytes)
+        buf = pool.pop() if pool else self.runtime.buffer(nbytes)
+        self.users[id(buf)] = 0
+        return Arr(buf, tuple(shape), dtype)
+
+    def give(self, buf: Any) -> None:
+        self.free.setdefault(buf.size, []).append(buf)
+
+
+class OpenCLProgram:
+    def __init__(self, runtime: Runtime, graph: Graph, weights: DeviceWeights) -> None:
+        self.rt, self.graph, self.weights = runtime, graph, weights
+        shape = graph.shape
+        if shape.paging is not None:
+            raise Unsupported(Reason.SHAPE, "paged KV", "the opencl backend keeps one contiguous KV buffer a row")
+        if shape.rows != 1:
+            raise Unsupported(Reason.SHAPE, f"rows={shape.rows}", "the opencl backend runs one sequence per step")
+        self.tokens, self.capacity = shape.tokens, shape.capacity
+        for name, value in graph.inputs.items():
+            if len(value.shape) != 2 or value.shape[0] != 1:
+                raise Unsupported(Reason.SHAPE, f"input {name} {value.shape}", "inputs are [1, tokens] ids")
+        self.inputs = {name: Arr(runtime.buffer(4 * self.tokens), (self.tokens,), "u32") for name in graph.inputs}
+        if "positions" not in self.inputs:
+            self.inputs["positions"] = Arr(runtime.buffer(4 * self.tokens), (self.tokens,), "u32")
+        self.values: dict[str, Arr] = {}
+        self._buffers = _Buffers(runtime)
+        self._last_use = passes.last_use(graph)
+        self._add_norm = set(passes.add_norm_pairs(graph.nodes))
+        self._fused_adds: dict[str, tuple[Arr, Arr]] = {}
+        self._late_reads: dict[int, list[str]] = {}
+        self._rope_tables: dict[str, tuple[Arr, float]] = {}
+        self._ropes: dict[str, tuple[Node, int]] = {}  # rope output -> (node, index of its launch)
+        self._scratch_buffers: dict[tuple[str, tuple[int, ...]], Arr] = {}
+        launches: list[Launch] = []
+        self._launches = launches
+        dispatch: passes.Dispatch[list[Launch]] = passes.Dispatch(self, "opencl")
+        for index, node in enumerate(graph.nodes):
+            self._at = index
+            launches.extend(dispatch(node))
+            self._release(index, node)
+        self.outputs = [self.values[name] for name in graph.outputs]
+        self.ids: Arr | None = None
+        last = graph.nodes[-1] if graph.nodes else None
+        if last is not None and last.op == "logits" and graph.outputs == [last.output]:
+            logits = self.outputs[0]
+            rows = math.prod(logits.shape[:-1])
+            self.ids = Arr(runtime.buffer(4 * rows), (rows,), "u32")
+            launches.append(ops.argmax(runtime, logits, self.ids, rows, logits.shape[-1]))
+        self.step = Step(runtime, launches)
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _release(self, index: int, node: Node) -> None:
+        read = (r.name for r in node.inputs if isinstance(r, ValueRef))
+        for name in {*read, node.output, *self._late_reads.get(index, ())}:
+            value = self.values.get(name)
+            if value is None or self._last_use.get(name, -1) > index:
+                continue
+            key = id(value.buf)
+            self._buffers.users[key] -= 1
+            if self._buffers.users[key] == 0:
+                self._buffers.give(value.buf)
+
+    def _define(self, name: str, array: Arr) -> Arr:
+        self.values[name] = array
+        self._buffers.users[id(array.buf)] = self._buffers.users.get(id(array.buf), 0) + 1
+        return array
+
+    def _new(self, node: Node) -> Arr:
+        return self._define(node.output, self._buffers.take(tuple(node.shape)))
+
+    def _value(self, node: Node, i: int) -> Arr:
+        ref = node.inputs[i]
+        name = "" if ref is None else ref.name
+        if isinstance(ref, WeightRef):
+            found = self.weights.vectors.get(name)
+            if found is None:
+                self._missing(node, name, "a vector")
+            return found
+        if name in self.inputs:
+            return self.inputs[name]
+        if name not in self.values:
+            raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
+        return self.values[name]
+
+    def _optional(self, node: Node, i: int) -> Arr | None:
+        return self._value(node, i) if node.input(i) is not None else None
+
+    def _matrix(self, node: Node, i: int) -> DeviceWeight:
+        ref = node.inputs[i]
+        found = self.weights.matrices.get(ref.name) if isinstance(ref, WeightRef) else None
+        if found is None:
+            self._missing(node, str(ref), "a stored matrix")
+        return found
+
+    def _missing(self, node: Node, weight: str, wanted: str) -> None:
+        why = self.weights.skipped.get(weight, "it is not a weight of the uploaded checkpoint")
+        raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the opencl backend needs {wanted}: {why}")
+
+    def _scratch(self, key: str, shape: tuple[int, ...]) -> Arr:
+        """A buffer for values that live inside one node's launches, shared by every node asking for the same
+        key and shape (launches run in order)."""
+        found = self._scratch_buffers.get((key, shape))
+        if found is None:
+            found = self._scratch_buffers[(key, shape)] = self._buffers.take(shape)
+        return found
+
+    def _rows(self, x: Arr, cols: int, node: Node) -> int:
+        if x.size % cols:
+            raise Unsupported(Reason.SHAPE, f"{node.op} of {x.shape} by {cols} columns", "the sizes do not divide")
+        return x.size // cols
+
+    # -- nodes: op X is handled by op_X ---------------------------------------------------------------
+
+    def op_embed(self, node: Node) -> list[Launch]:
+        table, ids = self._matrix(node, 0), self._value(node, 1)
+        out = self._new(node)
+        scale = node.attrs.get("scale")
+        return [ops.embed(self.rt, table, ids, out, ids.size, 1.0 if scale is None else float(scale))]
+
+    def op_rms_norm(self, node: Node) -> list[Launch]:
+        x, w = self._value(node, 0), self._value(node, 1)
+        out = self._new(node)
+        width = int(node.shape[-1])
+        eps, offset = float(node.attrs["eps"]), float(node.attrs.get("offset") or 0.0)
+        tokens = self._rows(x, width, node)
+        fused = self._fused_adds.pop(node.inputs[0].name, None)
+        if fused is not None:  # x = a + b is computed here and stored to x's buffer for its other readers
+            a, b = fused
+            return [ops.rms_norm(self.rt, a, w, out, tokens, width, eps, offset, residual=b, sum_out=x)]
+        return [ops.rms_norm(self.rt, x, w, out, tokens, width, eps, offset)]
+
+    def op_linear(self, node: Node) -> list[Launch]:
+        x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
+        out = self._new(node)
+        return [ops.linear(self.rt, w, x, out, self._rows(x, w.cols, node), bias=b)]
+
+    def op_logits(self, node: Node) -> list[Launch]:
+        x, w = self._value(node, 0), self._matrix(node, 1)
+        out = self._new(node)
+        tokens = self._rows(x, w.cols, node)
+        softcap = node.attrs.get("softcap")
+        if not softcap:
+            return [ops.linear(self.rt, w, x, out, tokens)]
+        raw = self._scratch("raw_logits", tuple(out.shape))
+        return [ops.linear(self.rt, w, x, raw, tokens), ops.softcap(self.rt, raw, out, float(softcap))]
+
+    def op_reshape(self, node: Node) -> list[Launch]:
+        x = self._value(node, 0)
+        if math.prod(node.shape) != x.size:
+            raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
+        self._define(node.output, x.view(tuple(node.shape)))
+        return []
+
+    def _rope_table(self, a: dict[str, Any]) -> tuple[Arr, float]:
+        scaling = dict(a.get("scaling") or {})
+        items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
+        key = repr((float(a["theta"]), int(a["dim"]), items))
+        found = self._rope_tables.get(key)
+        if found is None:  # the reference's frequencies (poot_core.rope), YaRN's attention factor beside them
+            inv = inverse_frequencies(float(a["theta"]), int(a["dim"]), items)
+            table = Arr(self.rt.upload(np.asarray(inv, dtype=np.float32).reshape(-1)), (int(a["dim"]) // 2,))
+            found = self._rope_tables[key] = (table, rope_attention_factor(scaling))
+        return found
+
+    def op_rope(self, node: Node) -> list[Launch]:
+        x, positions = self._value(node, 0), self._value(node, 1)
+        if len(node.shape) != 4:
+            raise Unsupported(Reason.SHAPE, f"rope of {node.shape}", "rope takes [rows, tokens, heads, head_dim]")
+        _, tokens, heads, head_dim = node.shape
+        a = node.attrs
+        style = a.get("style", "neox")
+        if style not in ("neox", "interleaved"):
+            raise Unsupported(Reason.OPERATION, f"rope style {style}", "the opencl rope has neox and interleaved")
+        if int(a["dim"]) > head_dim or int(a["dim"]) % 2:
+            raise Unsupported(Reason.SHAPE, f"rope of {a['dim']} features", f"heads have {head_dim}")
+        table, factor = self._rope_table(a)
+        out = self._new(node)
+        self._ropes[node.output] = (node, len(self._launches))
+        return [ops.rope(self.rt, x, out, positions, table, tokens, heads, head_dim, int(a["dim"]), style == "neox",
+                         factor)]
+
+    def op_attention(self, node: Node) -> list[Launch]:
+        if node.input(6) is not None:
+            raise Unsupported(Reason.SHAPE, "paged attention", "the opencl backend keeps contiguous KV buffers")
+        q, k, v, positions = (self._value(node, i) for i in range(4))
+        k_name, v_name = node.inputs[4].name, node.inputs[5].name
+        spec = self.graph.state.get(k_name)
+        if spec is None or v_name not in self.graph.state:
+            raise Unsupported(Reason.OPERATION, "attention", "its KV state is not declared by the graph")
+        _, kv_heads, capacity, head_dim = spec.shape
+        _, tokens, heads, q_dim = q.shape
+        if self.graph.state[v_name].shape != spec.shape or q_dim != head_dim or v.shape[-1] != head_dim:
+            raise Unsupported(Reason.SHAPE, f"attention q {q.shape}, v {v.shape}",
+                              "the opencl attention needs one head size for q, k and v")
+        if heads % kv_heads:
+            raise Unsupported(Reason.SHAPE, f"attention {heads} heads over {kv_heads}", "it needs whole groups")
+        group, local_bytes = self.rt.limits.group, self.rt.limits.local_bytes
+        dims = ops.attention_dims(self.rt, head_dim)  # the query and two rows of GROUP floats in local memory
+        if dims > 8 or 4 * (dims + 2) * group > local_bytes:
+            largest = min(8, local_bytes // (4 * group) - 2) * group
+            raise Unsupported(Reason.SHAPE, f"attention head size {head_dim}",
+                              f"the device's work-groups of {group} and {local_bytes} bytes of local memory "
+                              f"hold heads of at most {largest}")
+        if capacity != self.capacity:
+            raise Unsupported(Reason.SHAPE, f"attention capacity {capacity}", f"the step has {self.capacity}")
+        a = node.attrs
+        scale, window, softcap = float(a["scale"]), int(a.get("window") or 0), float(a.get("softcap") or 0.0)
+        if tokens == 1:
+            split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
+        else:
+            split_len = max(DECODE_SPLIT, -(-capacity // PREFILL_SPLITS))
+        splits = -(-capacity // split_len)
+        width = kv_heads * head_dim
+        k_slot, v_slot = Slot(k_name), Slot(v_name)
+        launches = [ops.kv_write(self.rt, v, v_slot, positions, tokens, width)]
+        rope = self._ropes.get(node.inputs[1].name)
+        if rope is not None and rope[0].inputs[1] == node.inputs[3]:
+            # the key's rope writes the rotated keys into the cache itself (rope.cl has_cache)
+            rope_node, at = rope
+            rx, rpos = self._value(rope_node, 0), self._value(rope_node, 1)
+            table, factor = self._rope_table(rope_node.attrs)
+            ra = rope_node.attrs
+            self._launches[at] = ops.rope(self.rt, rx, k, rpos, table, tokens, kv_heads, head_dim, int(ra["dim"]),
+                                          ra.get("style", "neox") == "neox", factor, cache=k_slot)
+        else:
+            launches.append(ops.kv_write(self.rt, k, k_slot, positions, tokens, width))
+        out = self._new(node)
+        part = self._scratch("attention", (tokens, heads, splits, head_dim + 2))
+        launches += ops.attention(self.rt, q, k_slot, v_slot, positions, out, part, tokens, heads, kv_heads, head_dim,
+                                  split_len, splits, scale, window, softcap)
+        return launches
+
+    def op_gated(self, node: Node) -> list[Launch]:
+        act = node.attrs.get("act", "silu")
+        if act not in GATED:
+            raise Unsupported(Reason.OPERATION, f"gated {act}", f"the opencl kernels have {', '.join(GATED)}")
+        gate, up = self._value(node, 0), self._value(node, 1)
+        return [ops.gated(self.rt, gate, up, self._new(node), act)]
+
+    def op_activation(self, node: Node) -> list[Launch]:
+        act = node.attrs.get("act")
+        if act not in ACTIVATIONS:
+            raise Unsupported(Reason.OPERATION, f"activation {act}",
+                              f"the opencl kernels have {', '.join(ACTIVATIONS)}")
+        return [ops.activation(self.rt, self._value(node, 0), self._new(node), act)]
+
+    def _binary(self, node: Node) -> list[Launch]:
+        a, b = self._value(node, 0), self._value(node, 1)
+        if a.size != b.size:
+            raise Unsupported(Reason.SHAPE, f"{node.op} of {a.shape} and {b.shape}",
+                              "the opencl backend adds and multiplies equal shapes only")
+        return [ops.binary(self.rt, node.op, a, b, self._new(node))]
+
+    def op_add(self, node: Node) -> list[Launch]:
+        a, b = self._value(node, 0), self._value(node, 1)
+        if self._at in self._add_norm and a.size == b.size:  # the next node, an rms_norm, computes the sum
+            self._new(node)
+            self._fused_adds[node.output] = (a, b)
+            for name in (r.name for r in node.inputs[:2]):  # read by the norm: released after it
+                if self._last_use.get(name, -1) == self._at:
+                    self._last_use[name] = self._at + 1
+                    self._late_reads.setdefault(self._at + 1, []).append(name)
+            return []
+        return self._binary(node)
+
+    def op_mul(self, node: Node) -> list[Launch]:
+        return self._binary(node)
+
+    def op_scale(self, node: Node) -> list[Launch]:
+        return [ops.scale(self.rt, self._value(node, 0), self._new(node), float(node.attrs["factor"]))]
+
+    def op_last_position(self, node: Node) -> list[Launch]:
+        if node.input(1) is not None:
+            raise Unsupported(Reason.SHAPE, "last_position by slot", "paged steps are not run by opencl")
+        x = self._value(node, 0)
+        width = x.shape[-1]
+        return [ops.copy(self.rt, x, self._new(node), width, (self.tokens - 1) * width)]
+
+    def _expert_matrices(self, node: Node, count: int) -> list[tuple[DeviceWeight, ...]]:
+        if not node.attrs["stacked"]:
+            return [tuple(self._matrix(node, 5 + 3 * e + j) for j in range(3)) for e in range(count)]
+        stacks = []
+        for j in range(3):
+            ref = node.inputs[5 + j]
+            found = self.weights.stacks.get(ref.name) if ref is not None else None
+            if found is None or found[0] != count:
+                self._missing(node, str(ref), f"a stack of {count} experts")
+            stacks.append(found[1])
+        per = [s.rows // count for s in stacks]
+        return [tuple(s.rows_of(e * p, p) for s, p in zip(stacks, per, strict=True)) for e in range(count)]
+
+    def op_moe(self, node: Node) -> list[Launch]:
+        """Routing on the device (poot_core.moe.choose_experts' rule into a dense row of weights per token), then
+        each expert's gated MLP over the step's tokens, added in with its weight. A tile of tokens none of which
+        chose an expert skips that expert's products (cl/linear.cl gate), so a decode step reads only the
+        chosen experts' weights."""
+        a = node.attrs
+        if a["scoring"] not in ("softmax", "sigmoid") or a.get("group_score", "max") not in ("max", "top2"):
+            raise Unsupported(Reason.OPERATION, f"moe routing {a['scoring']}/{a.get('group_score')}",
+                              "the opencl backend routes by softmax or sigmoid scores, groups by max or top2")
+        if a["act"] not in GATED:
+            raise Unsupported(Reason.OPERATION, f"moe {a['act']}", f"the opencl kernels have {', '.join(GATED)}")
+        count = int(a["experts"])
+        groups = int(a.get("groups") or 1)
+        if count > MAX_EXPERTS or count % groups:
+            raise Unsupported(Reason.SHAPE, f"moe with {count} experts in {groups} groups",
+                              f"the opencl router takes up to {MAX_EXPERTS} experts in equal groups")
+        x, router = self._value(node, 0), self._matrix(node, 1)
+        bias = self._optional(node, 2)
+        shared = self._optional(node, 3)
+        shared_gate = self._matrix(node, 4) if node.inputs[4] else None
+        experts = self._expert_matrices(node, count)
+        width, inter = router.cols, experts[0][0].rows
+        tokens = self._rows(x, width, node)
+        out = self._new(node)
+        logits, weights = self._scratch("logits", (tokens, count)), self._scratch("weights", (tokens, count))
+        gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
+        h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+        rt = self.rt
+        launches = [ops.linear(rt, router, x, logits, tokens),
+                    ops.moe_route(rt, logits, bias, weights, tokens, count, a)]
+        for e, (w_gate, w_up, w_down) in enumerate(experts):
+            chosen = (weights, count, e)
+            launches += [
+                ops.linear(rt, w_gate, x, gate, tokens, gate=chosen),
+                ops.linear(rt, w_up, x, up, tokens, gate=chosen),
+                ops.gated(rt, gate, up, h, a["act"]),
+                ops.linear(rt, w_down, h, y, tokens, gate=chosen),
+                ops.moe_accumulate(rt, weights, count, e, y, out, width, tokens, ops.ASSIGN if e == 0 else ops.ADD),
+            ]
+        if shared is not None and shared_gate is not None:
+            sw = self._scratch("shared_gate", (tokens, 1))
+            launches += [ops.linear(rt, shared_gate, x, sw, tokens),
+                         ops.moe_accumulate(rt, sw, 1, 0, shared, out, width, tokens, ops.SIGMOID)]
+        elif shared is not None:
+            launches.append(ops.moe_accumulate(rt, shared, 0, 0, shared, out, width, tokens, ops.UNIT))
+        return launches
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def run(self, state: dict[str, Any], inputs: dict[str, np.ndarray]) -> list[Output]:
+        check_positions(self.graph, inputs)  # a RequestError, as on every backend, before anything is written
+        self._write_inputs(inputs)
+        return self.step.run(state, self.outputs, self.ids)
+
+    def _write_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+        positions = np.asarray(inputs.get("positions", np.zeros((1, self.tokens), dtype=np.int64)))
+        if positions.shape != (1, self.tokens):
+            raise RequestError(f"positions have shape {positions.shape}, the step takes (1, {self.tokens})")
+        start = int(positions[0, 0])
+        if np.any(positions[0] != start + np.arange(self.tokens)):
+            raise RequestError("positions must be consecutive within a step")
+        for name, target in self.inputs.items():
+            if name not in inputs and name != "positions":
+                raise RequestError(f"the step needs input {name!r}")
+            host = np.asarray(inputs[name]) if name in inputs else positions
+            if host.shape != (1, self.tokens):
+                raise RequestError(f"input {name!r} has shape {host.shape}, the step takes (1, {self.tokens})")
+            if host.min() < 0 or host.max() > np.iinfo(np.uint32).max:
+                raise RequestError(f"input {name!r} holds values outside 0..2^32-1")
+            self.rt.write(target.buf, host.reshape(-1).astype(np.uint32))
+
+
+OPENCL_OPS = passes.handled_ops(OpenCLProgram)  # the vocabulary ops it has an op_<name> handler for
