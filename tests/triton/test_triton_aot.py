@@ -110,10 +110,36 @@ def record_all_launches() -> list:
         expert = (torch.zeros(768, 2048, dtype=bf), torch.zeros(768, 2048, dtype=bf), torch.zeros(2048, 768, dtype=bf))
         FusedExperts([expert] * 4).run(torch.zeros(1, 2048, dtype=bf), torch.zeros(1, 2, dtype=torch.int64),
                                        torch.zeros(1, 2), "silu")
+        record_recurrent()
         logits = torch.zeros(2, 32000)
         ktr.greedy(logits)
         ktr.sample(logits, torch.zeros(2), temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)
     return launches
+
+
+def record_recurrent() -> None:
+    """The hybrid families' kernels at Granite-4.0-H / Qwen3-Next-sized heads: a conv over x, B and C with its
+    window, the scan (128 heads of 64, state 128, 1 group) chunked and stepped, the delta rule (16 key heads of
+    128 for 32 value heads of 128) chunked and stepped, and the gated norm in both orders."""
+    import torch
+
+    from poot_kernels_triton import recurrent
+
+    bf = torch.bfloat16
+    for tokens in (1, 64):
+        xbc = torch.zeros(1, tokens, 8192 + 2 * 128, dtype=bf)
+        recurrent.short_conv(xbc, torch.zeros(xbc.shape[-1], 4, dtype=bf), torch.zeros(xbc.shape[-1], dtype=bf),
+                             torch.zeros(1, xbc.shape[-1], 3), silu=True)
+        heads = torch.zeros(128)
+        recurrent.ssm_scan(torch.zeros(1, tokens, 128, 64), torch.zeros(1, tokens, 128), heads,
+                           torch.zeros(1, tokens, 1, 128), torch.zeros(1, tokens, 1, 128), heads, heads,
+                           torch.zeros(1, 128, 64, 128), (0.0, float("inf")))
+        qk, vh = torch.zeros(1, tokens, 16, 128), torch.zeros(32)
+        recurrent.gated_delta(qk, qk, torch.zeros(1, tokens, 32, 128), torch.zeros(1, tokens, 32),
+                              torch.zeros(1, tokens, 32), vh, vh, torch.zeros(1, 32, 128, 128), 1e-6)
+    for first in (False, True):
+        x = torch.zeros(4, 4096)
+        recurrent.gated_rms_norm(x, x, torch.zeros(4096), 1e-5, 128 if first else 4096, first, bf)
 
 
 def jitted_kernels() -> set[str]:
