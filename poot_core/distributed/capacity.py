@@ -36,6 +36,7 @@ class Plan:
     layers: list[tuple[int, int]]  # per rank: [first, end) of the layers it holds (every layer under TENSOR)
     need: list[int]  # per rank: bytes of weights and state
     context: int
+    free: list[int]  # per rank: the free bytes the plan was made for
 
 
 def _gib(n: int) -> str:
@@ -113,7 +114,7 @@ class Planner:
             if w + s > self.targets[r].free:
                 raise self._refuse(r, w + s, w, s, f"layers {a}..{b - 1}")
             needs.append(w + s)
-        return Plan(Placement.PIPELINE, ranges, needs, self.context)
+        return Plan(Placement.PIPELINE, ranges, needs, self.context, [t.free for t in self.targets])
 
     def _balanced(self, cost: list[int], layers: int, n: int) -> list[int]:
         """Contiguous ranges of layers, each rank at least one, minimizing the largest share of a device's free
@@ -153,7 +154,7 @@ class Planner:
             if w + s > self.targets[r].free:
                 raise self._refuse(r, w + s, w, s, f"a 1/{n} tensor-parallel share")
             needs.append(w + s)
-        return Plan(Placement.TENSOR, [(0, layers)] * n, needs, self.context)
+        return Plan(Placement.TENSOR, [(0, layers)] * n, needs, self.context, [t.free for t in self.targets])
 
 
 __all__ = ["STATE_BYTES", "Plan", "Planner", "Target"]

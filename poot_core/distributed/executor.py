@@ -120,7 +120,9 @@ class PlacedExecutor:
         self.inner.copy_state_rows(state, src_row, dst_row, length)
 
     def memory(self) -> dict[str, int]:
-        return self.inner.memory()
+        """The least free memory of any rank when the plan was made, the same on every rank: what the paged
+        engine sizes its pool of KV blocks from, so every rank schedules the same steps."""
+        return {"total": int(self.inner.memory()["total"]), "free": min(self.plan.free)}
 
     def to_numpy(self, value: Any) -> np.ndarray:
         c = self.coordinator

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Unsupported, open_executor
+from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Unsupported, open_executor
 from poot_core.distributed import Coordinator, Placement, RankFailure
 
 OPTIONS = {"capacity": 64, "prefill_chunk": 8}
@@ -60,3 +60,24 @@ def single(path: str, prompt: list[int], new: int) -> tuple[np.ndarray, list[int
     driver = Driver(ModelHandle.load(Path(path)), open_executor("cpu"), DriverOptions(**OPTIONS))
     logits = driver.logits(prompt)
     return logits, driver.generate(GenerateRequest(prompt, max_new=new, ignore_eos=True)).tokens
+
+
+PAGED = {**OPTIONS, "block_size": 4, "step_tokens": 24, "max_running": 4}
+
+
+def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any, list[list[int]], int]]) -> Any:
+    """For each (key, checkpoint, placement, prompts, new tokens): the serving engine's (paged KV) tokens and
+    logits of each request, all submitted at once. Without a coordinator: the same on one unplaced driver."""
+    out: dict[str, Any] = {}
+    for key, path, placement, prompts, new in jobs:
+        handle = ModelHandle.load(Path(path))
+        if coordinator is None:
+            driver = Driver(handle, open_executor("cpu"), DriverOptions(**PAGED))
+        else:
+            driver = Driver.placed(handle, coordinator, Placement(placement), open_executor("cpu"),
+                                   DriverOptions(**PAGED))
+        engine = driver.serve(Layout.PAGED)
+        engine.keep_logits = True
+        gens = engine.generate_batch([GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts])
+        out[key] = [(g.tokens, np.stack(engine.logits[i])) for i, g in enumerate(gens)]
+    return out if coordinator is None or coordinator.first else {}

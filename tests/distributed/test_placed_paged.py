@@ -1,0 +1,31 @@
+"""The serving engine (paged KV, several requests sharing steps) on placed drivers of two ranks: each request's
+tokens and logits equal those of the same engine on one unplaced driver."""
+
+from __future__ import annotations
+
+import numpy as np
+import placed_ranks
+
+from poot_core.distributed import Coordinator
+
+PROMPTS = [[(3 * i + 7 * r) % 240 + 3 for i in range(6 + 5 * r)] for r in range(5)]  # 5 requests, 6-26 tokens
+NEW = 5
+
+
+def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint):
+    checkpoints = {"llama": tiny_checkpoint("llama"), "qwen3": tiny_checkpoint("qwen3"),
+                   "mixtral": moe_checkpoint("mixtral")}
+    jobs = [(f"{name}:{placement}", str(path), placement, PROMPTS, NEW)
+            for name, path in checkpoints.items() for placement in ("tensor", "pipeline")]
+    placed = Coordinator.spawn(2, placed_ranks.paged_batch, jobs, timeout=600.0, collective_timeout=60.0,
+                               threads=1)[0]
+    alone = placed_ranks.paged_batch(None, [(name, str(path), None, PROMPTS, NEW)
+                                            for name, path in checkpoints.items()])
+    bad = []
+    for key, runs in placed.items():
+        for r, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(zip(runs, alone[key.split(":")[0]],
+                                                                               strict=True)):
+            err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+            if tokens != ref_tokens or not err <= 1e-5:
+                bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
+    assert len(placed) == len(jobs) and bad == []
