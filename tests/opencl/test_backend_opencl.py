@@ -1,0 +1,189 @@
+"""The OpenCL executor end to end against the CPU executor (the reference every backend is held to), on any
+OpenCL device (CI: pocl, a CPU device, installed by plugins/backend_opencl/setup_pocl.sh and used because the
+tests name the backend; automatic selection skips CPU devices).
+
+Every dense and MoE family in float32 (logits within 1e-3 over prefill chunks and one-token steps, greedy tokens
+equal), bfloat16 and float16 weights, a tiny GGUF in each block type, a MoE GGUF with stacked experts, the real
+SmolLM2 GGUF, device greedy picks, and typed refusals at prepare time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from poot_backend_opencl.kernels.runtime import is_cpu_device, opencl_devices
+from poot_backend_opencl.plugin import hardware_probe
+
+from helpers import gguf_models, smollm
+from helpers import moe as moe_helpers
+from helpers.graphs import trace
+from poot_core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    ModelHandle,
+    PackedWeight,
+    Reason,
+    StepShape,
+    Unsupported,
+    installed_backends,
+    open_executor,
+)
+
+pytestmark = pytest.mark.skipif(not opencl_devices(), reason="no OpenCL device on this machine (pocl-opencl-icd)")
+
+PROMPT = [int(i) for i in np.random.default_rng(7).integers(3, 250, 20)]
+DENSE = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+GGUF = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def opencl():
+    return open_executor("opencl")
+
+
+def rel(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def check_parity(handle, opencl, prompt=PROMPT, bound=1e-3, capacity=48, new=6) -> None:
+    """Logits of the prompt in chunks of 8, then one token a step (the decode program, splits of keys past the
+    position), and greedy tokens after the prompt, against the CPU executor."""
+    cpu = open_executor("cpu")
+    for chunk in (8, 1):
+        options = DriverOptions(capacity=capacity, prefill_chunk=chunk)
+        ours, ref = Driver(handle, opencl, options).logits(prompt), Driver(handle, cpu, options).logits(prompt)
+        assert rel(ours, ref) <= bound, chunk
+    request = GenerateRequest(prompt[:12], max_new=new, ignore_eos=True)
+    options = DriverOptions(capacity=capacity, prefill_chunk=8)
+    assert Driver(handle, opencl, options).generate(request).tokens == \
+        Driver(handle, cpu, options).generate(request).tokens
+
+
+def test_registered_below_vulkan_and_auto_skips_cpu_devices():
+    spec = next(s for s in installed_backends() if s.name == "opencl")
+    assert spec.aliases == ("cl",) and spec.priority == 10 and spec.distribution == "poot-backend-opencl"
+    vulkan = next((s for s in installed_backends() if s.name == "vulkan"), None)
+    assert vulkan is None or vulkan.priority > spec.priority
+    assert open_executor("cl").name == "opencl"
+    assert hardware_probe() == any(not is_cpu_device(d) for d in opencl_devices())
+    if not hardware_probe():
+        assert spec.probe() and open_executor("auto").name != "opencl"
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_dense_families_match_cpu(tiny_checkpoint, opencl, arch):
+    check_parity(ModelHandle.load(tiny_checkpoint(arch, torch.float32)), opencl)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_match_cpu(tiny_checkpoint, opencl, dtype):
+    """16-bit weights as stored (bf16 bit patterns, f16 through vload_half), multiplied as float32 products of
+    their exact values, as the CPU executor does."""
+    handle = ModelHandle.load(tiny_checkpoint("qwen3", dtype))
+    weights = opencl.upload(handle.store())
+    assert {w.fmt for w in weights.matrices.values()} == {"bf16" if dtype == torch.bfloat16 else "f16"}
+    check_parity(handle, opencl)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_families_match_cpu(moe_checkpoint, opencl, arch):
+    check_parity(ModelHandle.load(moe_checkpoint(arch)), opencl)
+
+
+def test_moe_gguf_with_stacked_experts_matches_cpu(moe_checkpoint, opencl, tmp_path):
+    """llama.cpp's layout: each layer's experts in three [experts, rows, cols] tensors, uploaded as one buffer
+    each, an expert a row range of it."""
+    path = moe_helpers.write_gguf(moe_checkpoint("qwen3_moe"), tmp_path, "qwen3_moe")
+    handle = ModelHandle.load(path)
+    assert opencl.upload(handle.store()).stacks
+    check_parity(handle, opencl)
+
+
+@pytest.mark.parametrize("type_name", GGUF)
+def test_gguf_block_types_match_cpu(opencl, tmp_path, type_name):
+    path, _ = gguf_models.build(tmp_path, type_name)
+    handle = ModelHandle.load(path)
+    kinds = {w.fmt for w in opencl.upload(handle.store()).matrices.values()}
+    assert type_name in kinds
+    check_parity(handle, opencl, gguf_models.PROMPT[:16], new=4)
+
+
+def test_smollm2_gguf_matches_cpu(opencl):
+    """The real SmolLM2-135M (Q4_1 blocks, Q8_0 embeddings)."""
+    handle = ModelHandle.load(smollm.gguf_path())
+    ids = handle.text().encode(smollm.PROMPTS[0])
+    options = DriverOptions(capacity=32, prefill_chunk=16)
+    ours = Driver(handle, opencl, options).logits(ids)
+    ref = Driver(handle, open_executor("cpu"), options).logits(ids)
+    assert rel(ours, ref) <= 1e-3
+    request = GenerateRequest(ids, max_new=4, ignore_eos=True)
+    assert Driver(handle, opencl, options).generate(request).tokens == \
+        Driver(handle, open_executor("cpu"), options).generate(request).tokens
+
+
+def test_greedy_picks_on_the_device_match_numpy(tiny_checkpoint, opencl):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    graph = trace(handle, StepShape(1, 5, 32, all_logits=True))
+    program = opencl.prepare(graph, opencl.upload(handle.store()))
+    state = opencl.allocate_state(graph)
+    inputs = {"tokens": np.array([PROMPT[:5]]), "positions": np.arange(5)[None]}
+    (logits,) = program.run(state, inputs)
+    host = opencl.to_numpy(logits)
+    np.testing.assert_array_equal(opencl.greedy_rows(logits), np.argmax(host.reshape(5, -1), axis=1))
+    assert opencl.greedy_token(logits) == int(np.argmax(host.reshape(5, -1)[-1]))
+
+
+# -- refusals at prepare time ---------------------------------------------------------------------------
+
+
+def test_refuses_rows_above_one_and_missing_ops_by_name(tiny_checkpoint, opencl):
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    weights = opencl.upload(handle.store())
+    with pytest.raises(Unsupported) as err:
+        opencl.prepare(trace(handle, StepShape(2, 1, 64)), weights)
+    assert err.value.reason is Reason.SHAPE and "rows=2" in str(err.value)
+    graph = trace(handle, StepShape(1, 1, 64))
+    node = graph.nodes[3]
+    graph.nodes[3] = type(node)("group_attention", node.inputs, node.output, node.shape)
+    with pytest.raises(Unsupported) as err:
+        opencl.prepare(graph, weights)
+    assert err.value.reason is Reason.OPERATION and "group_attention" in str(err.value)
+
+
+def test_latent_attention_family_is_refused_by_name(moe_checkpoint, opencl):
+    handle = ModelHandle.load(moe_checkpoint("deepseek_v3"))
+    with pytest.raises(Unsupported) as err:
+        opencl.prepare(trace(handle, StepShape(1, 1, 32)), opencl.upload(handle.store()))
+    assert err.value.reason is Reason.OPERATION and "mla_attention" in str(err.value)
+
+
+def test_refuses_heads_larger_than_the_device_holds(tiny_checkpoint, opencl, monkeypatch):
+    """The attention kernel keeps a query head in local memory: a device with too little of it refuses the
+    step at prepare time, naming the head size and the limit."""
+    import dataclasses
+
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    weights = opencl.upload(handle.store())
+    runtime = opencl.runtime
+    monkeypatch.setattr(runtime, "limits", dataclasses.replace(runtime.limits, group=16, local_bytes=128))
+    with pytest.raises(Unsupported) as err:
+        opencl.prepare(trace(handle, StepShape(1, 1, 32)), weights)
+    assert err.value.reason is Reason.SHAPE and "head size 16" in str(err.value) and "local memory" in str(err.value)
+
+
+def test_refuses_unsupported_quantization_naming_the_tensor(opencl):
+    class Store:
+        def names(self):
+            return ["layer.weight"]
+
+        def get(self, name):
+            parts = {"qweight": torch.zeros(8, 64, dtype=torch.int32)}
+            return PackedWeight("gptq", (64, 64), parts, {"bits": 4, "group_size": 32})
+
+    with pytest.raises(Unsupported) as err:
+        opencl.upload(Store())
+    assert err.value.reason is Reason.QUANTIZATION
+    assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
