@@ -1,6 +1,10 @@
 """The tensor-parallel pass (Megatron split): one traced step rewritten into rank r's share of it.
 
 What it recognizes, from the graph's structure alone (so every family gets it without family code):
+- latent attention (`mla_attention`): the query heads and kv_b's rows of them split as above; the latent
+  projection and its cache stay whole on every rank.
+- mixture of experts (`moe` over listed experts): every expert's intermediate features split, the router and
+  the choice alike on every rank, one `all_reduce` after the moe (a shared expert's down is summed by it too).
 - attention blocks: q/k/v linears (through per-head reshape, q/k norms, rope) into `attention`, whose output
   goes through a reshape into one linear. q/k/v become column-parallel (rank r's heads' rows), the output linear
   row-parallel (those heads' columns) followed by one `all_reduce`. Query heads must divide over the ranks
@@ -9,8 +13,9 @@ What it recognizes, from the graph's structure alone (so every family gets it wi
 - gated MLPs: gate and up linears into `gated`, then one down linear: gate/up column-parallel, down row-parallel,
   one `all_reduce`.
 - the head: `logits` over a vocabulary slice per rank, the slices joined by one `all_gather` before sampling.
-Anything else (embeddings, norms, MoE, recurrent layers, a block whose values have other readers) is left as it
-is on every rank: replicated, which is exact too. A bias of a row-parallel linear is added once, after the sum.
+Anything else (embeddings, norms, stacked GGUF experts, recurrent layers, a block whose values have other
+readers) is left as it is on every rank: replicated, which is exact too. A bias of a row-parallel linear is
+added once, after the sum.
 
 Weights are renamed to their shards (`Shard.name`); `can_split` says whether a stored layout splits there (a
 packed layout only along its blocks), else that block stays replicated.
@@ -52,6 +57,13 @@ def even_slices(total: int, world: int) -> list[tuple[int, int]]:
     """[start, stop) of each rank's part of `total`, as equal as whole numbers allow."""
     bounds = [total * r // world for r in range(world + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _check_heads(heads: int, world: int, node: Node) -> None:
+    if heads % world:
+        raise Unsupported(Reason.SHAPE, f"{heads} attention heads over {world} ranks (layer {node.attrs.get('layer')})",
+                          "tensor parallelism splits whole heads: give a rank count that divides them, or place the "
+                          "model as a pipeline")
 
 
 class _Pass:
@@ -163,10 +175,7 @@ class _Pass:
         (q_lin, q_chain), (k_lin, k_chain), (v_lin, v_chain) = chains  # type: ignore[misc]
         heads, kv_heads = att.shape[2], self.nodes[k_chain[0]].shape[2]
         n = self.world
-        if heads % n:
-            raise Unsupported(Reason.SHAPE, f"{heads} attention heads over {n} ranks (layer {att.attrs.get('layer')})",
-                              "tensor parallelism splits whole heads: give a rank count that divides them, or "
-                              "place the model as a pipeline")
+        _check_heads(heads, n, att)
         hq = heads // n
         if kv_heads % n == 0:
             hk, k0 = kv_heads // n, self.rank * (kv_heads // n)
@@ -217,6 +226,72 @@ class _Pass:
         self.nodes[i] = replace(g, shape=(*g.shape[:-1], b - a))
         self.row(down, a, b)  # type: ignore[arg-type]
 
+    def mla(self, i: int) -> None:
+        """Latent attention: the query heads, kv_b's rows of those heads and the output's columns split; the
+        latent (kv_a) and its cache stay whole on every rank."""
+        att = self.nodes[i]
+        chain, out, kv_b = self.heads_chain(att.inputs[0]), self.output_linear(i), att.inputs[4]
+        if chain is None or out is None or not isinstance(kv_b, WeightRef):
+            return
+        q_lin, q_chain = chain
+        heads, n = att.shape[2], self.world
+        _check_heads(heads, n, att)
+        hq, q0 = heads // n, self.rank * (heads // n)
+        dq, a = self.nodes[q_chain[0]].shape[3], att.attrs
+        kv_width, dv = a["nope_dim"] + a["v_dim"], a["v_dim"]
+        reshape, o_lin = out
+        q_rows = (q0 * dq, (q0 + hq) * dq)
+        kv_rows = (q0 * kv_width, (q0 + hq) * kv_width)
+        if not self.splits(*[(self.nodes[q_lin].inputs[k], 0, *q_rows) for k in (1, 2)], (kv_b, 0, *kv_rows),
+                           (self.nodes[o_lin].inputs[1], 1, q0 * dv, (q0 + hq) * dv)):
+            return
+        self.column(q_lin, *q_rows)
+        for j in q_chain:
+            self.with_heads(j, hq)
+        inputs = list(att.inputs)
+        inputs[4] = self.shard(kv_b, 0, *kv_rows)
+        self.nodes[i] = replace(att, inputs=tuple(inputs), shape=(*att.shape[:2], hq, *att.shape[3:]))
+        r = self.nodes[reshape]
+        self.nodes[reshape] = replace(r, shape=(*r.shape[:2], hq * dv))
+        self.row(o_lin, q0 * dv, (q0 + hq) * dv)
+
+    def moe(self, i: int) -> None:
+        """Listed experts: every expert's intermediate features split (gate/up rows, down columns); each rank
+        routes alike and sums its part of every chosen expert, plus its part of the shared expert (whose own sum
+        over the ranks is left to the one all_reduce after the moe)."""
+        node = self.nodes[i]
+        if node.attrs["stacked"]:
+            return  # stacked [E, F, D] experts (GGUF): replicated for now
+        experts = node.inputs[5:]
+        if not all(isinstance(w, WeightRef) for w in experts):
+            return
+        shared = node.input(3)
+        partial = None
+        if shared is not None:  # must be a row-parallel down of this pass, read by the moe alone
+            down = next((j for j, tail in self.after.items() if len(tail) == 1 and tail[0].output == shared.name),
+                        None)
+            if down is None or not self.only_reader(shared.name):
+                return
+            partial = ValueRef(self.nodes[down].output)
+        parts = []
+        for e in range(0, len(experts), 3):
+            gate, up, dn = experts[e:e + 3]
+            width = self.graph.weights[gate.name][0]  # type: ignore[union-attr]
+            if width % self.world:
+                return
+            a, b = self.rank * width // self.world, (self.rank + 1) * width // self.world
+            parts += [(gate, 0, a, b), (up, 0, a, b), (dn, 1, a, b)]
+        if not self.splits(*parts):
+            return
+        if partial is not None:
+            del self.after[down]  # type: ignore[arg-type]
+        inputs = list(node.inputs[:5])
+        inputs[3] = partial if partial is not None else shared
+        inputs += [self.shard(ref, axis, a, b) for ref, axis, a, b in parts]
+        summed = f"{node.output}.partial"
+        self.nodes[i] = replace(node, inputs=tuple(inputs), output=summed)
+        self.after[i] = [Node("all_reduce", (ValueRef(summed),), node.output, node.shape, {"group": self.group})]
+
     def head(self, i: int) -> None:
         n = self.nodes[i]
         w = n.inputs[1]
@@ -238,6 +313,10 @@ class _Pass:
                 self.attention(i)
             elif node.op == "gated":
                 self.mlp(i)
+            elif node.op == "mla_attention":
+                self.mla(i)
+            elif node.op == "moe":
+                self.moe(i)
             elif node.op == "logits":
                 self.head(i)
         nodes = []

@@ -16,7 +16,7 @@ from poot_core.distributed import Coordinator
 PROMPT = [(5 * i + 11) % 240 + 3 for i in range(20)]  # 3 prefill chunks of 8
 NEW = 6
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MOE = ["mixtral", "qwen2_moe", "deepseek_v2"]  # MoE and latent attention: replicated under TENSOR, split by layers
+MOE = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]  # experts split by features, latent attention by heads
 SPAWN = {"timeout": 600.0, "collective_timeout": 60.0, "threads": 1}
 
 

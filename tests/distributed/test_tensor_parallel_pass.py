@@ -83,14 +83,21 @@ def test_packed_blocks_split_only_along_blocks(tmp_path):
             split(store.get(down.base), tp.Shard(down.base, 1, 16, 48))
 
 
-def test_latent_attention_and_experts_stay_replicated(moe_checkpoint):
-    _, graph = graph_of(moe_checkpoint("deepseek_v2"))
-    local, _ = tp.shard(graph, 1, 2, "g")
-    whole = {n.output: n for n in graph.nodes}
-    for n in local.nodes:
-        if n.op in ("mla_attention", "moe"):
-            assert n == whole[n.output]
-    assert any(n.op == "all_reduce" for n in local.nodes)  # the dense MLP of the first layer and the shared experts
+def test_latent_attention_and_experts_split(moe_checkpoint):
+    _, graph = graph_of(moe_checkpoint("deepseek_v2"))  # 4 heads; layer 0 dense, layers 1-2 8 experts + shared
+    local, shards = tp.shard(graph, 1, 2, "g")
+    mla = [n for n in local.nodes if n.op == "mla_attention"]
+    assert len(mla) == 3 and all(n.shape[2] == 2 for n in mla)
+    assert local.state == graph.state  # the latent cache stays whole on every rank
+    kv_b = shards[mla[0].inputs[4].name]
+    assert (kv_b.axis, kv_b.start, kv_b.stop) == (0, 2 * 32, 4 * 32)  # heads 2, 3 of nope 16 + v 16
+    moes = [n for n in local.nodes if n.op == "moe"]
+    assert len(moes) == 2 and all(shards[w.name].stop - shards[w.name].start == 16 for n in moes
+                                   for w in n.inputs[5:])  # half of each expert's 32 features
+    # per layer: one sum after attention; after the dense MLP or the moe (which also sums the shared expert's part)
+    assert sum(n.op == "all_reduce" for n in local.nodes) == 6
+    for n in moes:
+        assert n.inputs[3].name.endswith(".partial")
 
 
 def test_pipeline_stages_cover_the_step_once(tiny_checkpoint):
