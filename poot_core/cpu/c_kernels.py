@@ -52,7 +52,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "poot_quantize_q8": ([_p, _i64, _i64, _p, _p, _p], None),
     "poot_gemm_q8": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], None),  # any number of rows (prefill)
     # gemm.c: exact products of many rows (prefill) through dequantized panels (a dequant function by address)
-    "poot_gemm_panels": ([_p, _i32, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
+    "poot_gemm_panels": ([_p, _i32, _i32, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _i32], None),
     "poot_widen16": ([_i32, _p, _i64, _i64, _i64, _p, _i32], None),
     # dense16.c: bf16 / f16 weights
     "poot_gemv16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32, _i32], None),

@@ -117,6 +117,7 @@ class _Plan:
     block: int  # values per block
     block_bytes: int
     panels: Callable[..., None]  # csrc/gemm.c's poot_gemm_panels (the exact prefill product)
+    block_type: int  # the type's id in csrc/blocks.h (= Q8_TYPES): poot_gemm_panels' vector decoder
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """flat: float32 [m, in] contiguous. Beyond FUSED_MAX_ROWS rows (a batched serving step) the type's `many`
@@ -149,8 +150,9 @@ class _Plan:
             self.many(self.gemv_type, self.address, self.row_bytes, n, self.blocks_per_row, flat.data_ptr(), m,
                       out.data_ptr(), threads)
         else:
-            self.panels(self.dequant_address, self.type_id, self.address, self.row_bytes, n, self.blocks_per_row,
-                        self.block, self.block_bytes, flat.data_ptr(), m, out.data_ptr(), threads)
+            self.panels(self.dequant_address, self.type_id, self.block_type, self.address, self.row_bytes, n,
+                        self.blocks_per_row, self.block, self.block_bytes, flat.data_ptr(), m, out.data_ptr(),
+                        threads)
         return out
 
 
@@ -171,7 +173,7 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
                      w.shape[1], gemv_type, lib.poot_gemv_rows, ctypes.cast(gemv, ctypes.c_void_p).value or 0,
                      1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS,
                      lib.poot_gemm_q8 if q8 else getattr(lib, kind.many) if kind.many else None,
-                     q8, elements, size, lib.poot_gemm_panels)
+                     q8, elements, size, lib.poot_gemm_panels, Q8_TYPES[w.meta["type"]])
         _plans[w] = plan
     return plan
 
@@ -277,7 +279,7 @@ def dense16_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         flat = flat.contiguous()
         y = torch.empty(flat.shape[0], n)
         widen = ctypes.cast(lib.poot_widen16, ctypes.c_void_p).value or 0
-        lib.poot_gemm_panels(widen, int(w.dtype == torch.float16), w.data_ptr(), 2 * w.stride(0), n, k, 1, 2,
+        lib.poot_gemm_panels(widen, int(w.dtype == torch.float16), -1, w.data_ptr(), 2 * w.stride(0), n, k, 1, 2,
                              flat.data_ptr(), flat.shape[0], y.data_ptr(), torch.get_num_threads())
         return y.reshape(*x.shape[:-1], n)
     tile = min(n, tile_rows(k))

@@ -47,33 +47,51 @@ def _x(m: int, cols: int, seed: int) -> np.ndarray:
         np.float32)
 
 
-def _panels(lib: ctypes.CDLL, type_name: str, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+def _panels(lib: ctypes.CDLL, type_name: str, blocks: np.ndarray, x: np.ndarray, decoder: str = "blocks"
+            ) -> np.ndarray:
+    """poot_gemm_panels with the panel decoders of csrc/blocks.h (the executor's choice; AVX2 builds only, the
+    portable build falls back to the type's dequant function) or, decoder="dequant", the dequant function."""
     kernel = pl.C_TYPES[type_name]
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     dequant = ctypes.cast(getattr(lib, kernel.dequant), ctypes.c_void_p).value
     m, cols = x.shape
     y = np.full((m, blocks.shape[0]), np.nan, np.float32)
-    lib.poot_gemm_panels(dequant, kernel.type_id, blocks.ctypes.data, blocks.shape[1], blocks.shape[0],
+    block_type = pl.Q8_TYPES[type_name] if decoder == "blocks" else -1
+    lib.poot_gemm_panels(dequant, kernel.type_id, block_type, blocks.ctypes.data, blocks.shape[1], blocks.shape[0],
                          cols // block, block, size, x.ctypes.data, m, y.ctypes.data, 2)
     return y
 
 
 @pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("decoder", ["blocks", "dequant"])
 @pytest.mark.parametrize("type_name", list(pl.C_TYPES))
-def test_exact_panels_match_float64(build: str, type_name: str) -> None:
+def test_panels_dequantize_exactly(build: str, decoder: str, type_name: str) -> None:
+    """x = the identity: each output is one product w * 1 plus zeros, so y is W^T bit for bit."""
+    lib = library(build)
+    cols = _cols(type_name)
+    blocks = blocks_of(type_name, ROWS, cols, seed=7 + len(type_name))
+    weights = quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+    y = _panels(lib, type_name, blocks, np.eye(cols, dtype=np.float32), decoder)
+    np.testing.assert_array_equal(y, weights.T)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("decoder", ["blocks", "dequant"])
+@pytest.mark.parametrize("type_name", list(pl.C_TYPES))
+def test_exact_panels_match_float64(build: str, decoder: str, type_name: str) -> None:
     lib = library(build)
     cols = _cols(type_name)
     blocks = blocks_of(type_name, ROWS, cols, seed=len(type_name))
     weights = quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64)
     x = _x(13, cols, seed=1)
-    y = _panels(lib, type_name, blocks, x)
+    y = _panels(lib, type_name, blocks, x, decoder)
     expect = x.astype(np.float64) @ weights.T
     bound = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(weights).T) + 1e-30
     assert (np.abs(y - expect) <= bound).all(), np.abs(y - expect).max()
     # a row's result does not depend on the rows beside it: alone, or as the first of a call of 7
     for i in (0, 5, 12):
-        np.testing.assert_array_equal(_panels(lib, type_name, blocks, x[i : i + 1].copy()), y[i : i + 1])
-        np.testing.assert_array_equal(_panels(lib, type_name, blocks, x[i : i + 7].copy())[0], y[i])
+        np.testing.assert_array_equal(_panels(lib, type_name, blocks, x[i : i + 1].copy(), decoder), y[i : i + 1])
+        np.testing.assert_array_equal(_panels(lib, type_name, blocks, x[i : i + 7].copy(), decoder)[0], y[i])
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -86,7 +104,7 @@ def test_16_bit_panels_match_float64(build: str, half: int) -> None:
     x = torch.randn(9, 600)
     y = torch.full((9, ROWS), float("nan"))
     widen = ctypes.cast(lib.poot_widen16, ctypes.c_void_p).value
-    lib.poot_gemm_panels(widen, half, w.data_ptr(), 2 * w.stride(0), ROWS, 600, 1, 2, x.data_ptr(), 9, y.data_ptr(),
+    lib.poot_gemm_panels(widen, half, -1, w.data_ptr(), 2 * w.stride(0), ROWS, 600, 1, 2, x.data_ptr(), 9, y.data_ptr(),
                          2)
     expect = x.double() @ w.double().T
     assert ((y.double() - expect).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T)).all()

@@ -6,7 +6,7 @@
    starting from 0 (carried through y between panels of k), so a row's result does not depend on how many rows
    share the call or where the row sits in it. The portable build sums in the same order with separate
    multiplies and adds. */
-#include "common.h"
+#include "blocks.h"
 
 typedef void (*poot_dequant_fn)(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t nb,
                                 float *out, int threads);
@@ -55,11 +55,90 @@ static void micro_tile(int64_t mr, const float *x, const float *p, int64_t kc, f
     for (int64_t r = 0; r < mr; r++) memcpy(y + r * ldy, c + r * PANEL_N, sizeof(float) * (size_t)nr);
 }
 
+#if POOT_AVX2
+/* Rows j < nr of a panel, nbk blocks of type t (an A_ id of blocks.h) from block b0 of each row, dequantized
+   exactly into raw [nr][kc]: D * c, or (D * s) * c for 16-value sub-scales, the product rounded before the
+   minimum term is added, bit for bit as the gguf package computes them (tests/cpu/test_cpu_prefill_gemm.py). */
+static inline __attribute__((always_inline)) void decode_panel_t(const int t, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t nr, int64_t b0, int64_t nbk, float *raw) {
+    const int G = a_groups(t);
+    const int64_t kc = nbk * 32 * G;
+    scales_t sc;
+    for (int64_t j = 0; j < nr; j++) {
+        const uint8_t *row = w + j * row_bytes + b0 * A_BYTES[t];
+        for (int64_t b = 0; b < nbk; b++) {
+            const uint8_t *blk = row + b * A_BYTES[t];
+            block_scales(t, blk, &sc);
+            for (int g = 0; g < G; g++) {
+                const __m256i cv = group_codes_v(t, blk, g);
+                const __m128i lo = _mm256_castsi256_si128(cv), hi = _mm256_extracti128_si256(cv, 1);
+                const __m256i c[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                                      _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+                float *dst = raw + j * kc + (b * G + g) * 32;
+                for (int q = 0; q < 4; q++) {
+                    const int h = 2 * g + q / 2;  /* the 16-value half */
+                    const __m256 d = _mm256_set1_ps(a_sub16(t) ? sc.D[g] * (float)sc.s[h] : sc.D[g]);
+                    __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(c[q]));
+                    if (a_has_min(t)) {
+                        POOT_ROUNDED(v);
+                        v = _mm256_add_ps(v, _mm256_set1_ps(a_sub16(t) ? sc.M[0] * (float)sc.n[h] : sc.M[g]));
+                    }
+                    _mm256_storeu_ps(dst + 8 * q, v);
+                }
+            }
+        }
+    }
+}
+
+#define POOT_DECODE_PANEL(T) case T: decode_panel_t(T, w, row_bytes, nr, b0, nbk, raw); return;
+static void decode_panel(int t, const uint8_t *w, int64_t row_bytes, int64_t nr, int64_t b0, int64_t nbk, float *raw) {
+    switch (t) {
+    POOT_DECODE_PANEL(A_Q4_0) POOT_DECODE_PANEL(A_Q4_1) POOT_DECODE_PANEL(A_Q8_0) POOT_DECODE_PANEL(A_Q5_0)
+    POOT_DECODE_PANEL(A_Q5_1) POOT_DECODE_PANEL(A_IQ4_NL) POOT_DECODE_PANEL(A_Q4_K) POOT_DECODE_PANEL(A_Q5_K)
+    POOT_DECODE_PANEL(A_Q6_K) POOT_DECODE_PANEL(A_IQ4_XS) POOT_DECODE_PANEL(A_Q2_K) POOT_DECODE_PANEL(A_Q3_K)
+    }
+}
+#undef POOT_DECODE_PANEL
+
+/* dst[i * ld_dst + j] = src[j * ld_src + i] for an 8 x 8 tile. */
+static inline void transpose8(const float *src, int64_t ld_src, float *dst, int64_t ld_dst) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld_src);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ld_dst, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ld_dst, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+#endif
+
+/* pack [kc][PANEL_N] = raw [PANEL_N][kc] transposed (raw's rows from nr on are zeros). */
+static void pack_panel(const float *raw, int64_t kc, float *pack) {
+    int64_t kk = 0;
+#if POOT_AVX2
+    for (; kk + 8 <= kc; kk += 8)
+        for (int j0 = 0; j0 < PANEL_N; j0 += 8) transpose8(raw + j0 * kc + kk, kc, pack + kk * PANEL_N + j0, PANEL_N);
+#endif
+    for (; kk < kc; kk++)
+        for (int64_t j = 0; j < PANEL_N; j++) pack[kk * PANEL_N + j] = raw[j * kc + kk];
+}
+
 /* y[m, n] = x[m, k] @ W^T, k = nb * block: W's n rows (row_bytes apart, nb blocks of block values and
-   block_bytes bytes each) dequantized exactly by fn, PANEL_N rows by PANEL_K values at a time; OpenMP over
-   panels of rows. */
-void poot_gemm_panels(poot_dequant_fn fn, int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb,
-                      int64_t block, int64_t block_bytes, const float *x, int64_t m, float *y, int threads) {
+   block_bytes bytes each) dequantized exactly, PANEL_N rows by PANEL_K values at a time, by fn (type its first
+   argument), or in AVX2 builds where block_type is an A_ id (blocks.h) by the vector decoders of blocks.h;
+   OpenMP over panels of rows. */
+void poot_gemm_panels(poot_dequant_fn fn, int type, int block_type, const uint8_t *w, int64_t row_bytes, int64_t n,
+                      int64_t nb, int64_t block, int64_t block_bytes, const float *x, int64_t m, float *y,
+                      int threads) {
     const int64_t k = nb * block, panels = (n + PANEL_N - 1) / PANEL_N;
     int64_t kc_max = PANEL_K / block * block;
     if (kc_max < block) kc_max = block;
@@ -92,9 +171,14 @@ void poot_gemm_panels(poot_dequant_fn fn, int type, const uint8_t *w, int64_t ro
             }
             for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
                 const int64_t kc = k - k0 < kc_max ? k - k0 : kc_max;
-                fn(type, w + j0 * row_bytes + k0 / block * block_bytes, row_bytes, nr, kc / block, raw, 1);
-                for (int64_t kk = 0; kk < kc; kk++)
-                    for (int64_t j = 0; j < PANEL_N; j++) pack[kk * PANEL_N + j] = j < nr ? raw[j * kc + kk] : 0.0f;
+#if POOT_AVX2
+                if (block_type >= 0)
+                    decode_panel(block_type, w + j0 * row_bytes, row_bytes, nr, k0 / block, kc / block, raw);
+                else
+#endif
+                    fn(type, w + j0 * row_bytes + k0 / block * block_bytes, row_bytes, nr, kc / block, raw, 1);
+                if (nr < PANEL_N) memset(raw + nr * kc, 0, sizeof(float) * (size_t)((PANEL_N - nr) * kc));
+                pack_panel(raw, kc, pack);
                 for (int64_t t = 0; t < tiles; t++)
                     micro_tile(m - t * MR < MR ? m - t * MR : MR, xp + t * MR * k + k0 * MR, pack, kc,
                                y + t * MR * n + j0, n, nr, k0 == 0);
