@@ -131,8 +131,8 @@ def engine_options(n: int, prompt: int, new: int, step_tokens: int | None) -> An
 def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_tokens: int | None) -> dict[str, Any]:
     from poot_core import Driver, GenerateRequest, Layout
 
-    options = engine_options(n, prompt, new, step_tokens)
-    engine = Driver(handle, ex, options).serve(Layout.PAGED)
+    engine = Driver(handle, ex, engine_options(n, prompt, new, step_tokens)).serve(Layout.PAGED)
+    options = engine.driver.options  # with the backend's defaults filled in
     vocab = handle.config().vocab_size
     rng = np.random.default_rng(n * 1000 + prompt)
 

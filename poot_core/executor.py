@@ -24,6 +24,18 @@ from poot_core.graph import Graph, StepShape
 
 
 @dataclass(frozen=True)
+class RunDefaults:
+    """The step sizes an executor runs well with: DriverOptions fields left as None take these. The core's
+    values suit the CPU; a GPU wants thousands of tokens a step (on the H200 a serving step budget of 256
+    tokens gave 1306 output tok/s where 2048 gave 3159 on the same 64-request workload)."""
+
+    prefill_chunk: int = 128  # new tokens of one prompt per prefill step
+    step_tokens: int = 256  # token budget of one serving step (decode tokens and prefill chunks)
+    max_running: int = 32  # sequences one serving step may hold
+    kv_fraction: float = 0.25  # share of the free device memory the serving KV pool takes
+
+
+@dataclass(frozen=True)
 class Capabilities:
     ops: frozenset[str]
     # Weight kinds it computes from: torch dtype names ("bfloat16") and PackedWeight kinds ("gguf.Q4_K").
@@ -31,6 +43,7 @@ class Capabilities:
     notes: str = ""
     # KV layouts its attention ops run: "contiguous" (a buffer per row), "paged" (pools of blocks, StepShape.paging)
     layouts: frozenset[str] = frozenset({"contiguous"})
+    defaults: RunDefaults = RunDefaults()
 
 
 # What callers hand back to the executor without looking inside; each backend chooses its own types.
@@ -104,6 +117,23 @@ class GreedyRowsOnDevice(Protocol):
 def device_greedy_rows(executor: Executor) -> Callable[[Output], np.ndarray] | None:
     """The executor's `greedy_rows`, or None when it has none."""
     return executor.greedy_rows if isinstance(executor, GreedyRowsOnDevice) else None
+
+
+@runtime_checkable
+class StateBytes(Protocol):
+    """Optional `state_nbytes(graph, weights)`: the bytes `allocate_state(graph)` would take for a model
+    uploaded as `weights` (the state's element type is the backend's choice, often the model's 16-bit type).
+
+    Default for a backend without it: 4 bytes (float32) a value, as the CPU stores state."""
+
+    def state_nbytes(self, graph: Graph, weights: Weights) -> int: ...
+
+
+def state_nbytes(executor: Executor, graph: Graph, weights: Weights) -> int:
+    """The bytes of `graph`'s state on `executor` (its `state_nbytes`, else float32 values)."""
+    if isinstance(executor, StateBytes):
+        return executor.state_nbytes(graph, weights)
+    return sum(4 * int(np.prod(spec.shape)) for spec in graph.state.values())
 
 
 @dataclass

@@ -22,13 +22,16 @@ from poot_core.errors import CapacityError, RequestError
 BACKENDS = ("auto", "cpu", "cuda", "ptx", "rocm", "vulkan", "wgpu")
 BACKEND_NAMES = {"ptx": "cuda", "wgpu": "vulkan"}
 CPU_STATE_BYTES = 4  # the CPU executor keeps K/V in float32
+MIN_BATCH = 256  # -b by default: a prefill step of at least this many tokens
 
 
 def add_device_flags(p: argparse.ArgumentParser, default_ctx: int) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
                    help=f"context window in positions; 0: the model's own (default: {default_ctx}, or the "
                         "model's window if smaller)")
-    p.add_argument("-b", "--batch-size", type=int, default=256, metavar="N", help="tokens per prefill step")
+    p.add_argument("-b", "--batch-size", type=int, default=None, metavar="N",
+                   help=f"tokens per prefill step (default: {MIN_BATCH}, or the backend's own step when larger: "
+                        "2048 on a GPU)")
     p.add_argument("-t", "--threads", type=int, default=-1, metavar="N",
                    help="CPU threads for decode (default: -1, torch's choice: one per physical core)")
     p.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
@@ -38,6 +41,13 @@ def add_device_flags(p: argparse.ArgumentParser, default_ctx: int) -> None:
                    help="CPU decode from GGUF block weights: exact float32 activations, or q8: activations "
                         "quantized to 8 bits per 32 values with integer products, as llama.cpp (faster, ~1e-2)")
     p.add_argument("-v", "--verbose", "--log-verbose", action="store_true", help="log what the run does to stderr")
+
+
+def batch_size(args: argparse.Namespace, executor: Any) -> int:
+    """-b, or its default for the backend: MIN_BATCH, or the backend's own prefill step when larger."""
+    if args.batch_size is not None:
+        return int(args.batch_size)
+    return max(MIN_BATCH, executor.capabilities().defaults.prefill_chunk)
 
 
 def load_options(args: argparse.Namespace) -> Any:
@@ -50,7 +60,7 @@ def load_options(args: argparse.Namespace) -> Any:
 def check_device_flags(args: argparse.Namespace) -> None:
     if args.ctx_size is not None and args.ctx_size < 0:
         raise RequestError(f"-c must be >= 0 (0: the model's window), got {args.ctx_size}")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise RequestError(f"-b must be >= 1, got {args.batch_size}")
     for flag, value in (("-t", args.threads), ("-tb", args.threads_batch)):
         if value is not None and value != -1 and value < 1:
@@ -185,7 +195,7 @@ def load(args: argparse.Namespace, model: Path, *, default_ctx: int, logits: boo
     log(args, f"model {model} ({config.family}, {config.architecture}); backend {executor.name}; context {ctx} "
               f"of the model's {config.max_positions}; threads {threads.decode} (prefill {threads.prefill})")
     check_memory(args, model, executor, handle, config, ctx)
-    options = DriverOptions(capacity=ctx, prefill_chunk=min(args.batch_size, ctx))
+    options = DriverOptions(capacity=ctx, prefill_chunk=min(batch_size(args, executor), ctx))
     if draft is not None:
         options.draft = draft
     driver = placed.driver(args, handle, executor, options)  # placed over --tp/--pp ranks when there are any

@@ -38,11 +38,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", metavar="FILE", default=None,
                    help="keys and tenants, one `KEY TENANT [rpm=N] [tpm=N] [running=N] [priority=N]` a line "
                         "(default: none, no key needed)")
-    p.add_argument("--max-running", type=int, default=16, metavar="N", help="sequences one engine step may hold")
+    p.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help="sequences one engine step may hold (default: the backend's, 32 on the CPU, 256 on a GPU)")
     p.add_argument("--max-queued", type=int, default=64, metavar="N",
                    help="requests accepted beyond --max-running; more are answered 429")
-    p.add_argument("--step-tokens", type=int, default=256, metavar="N",
-                   help="token budget of one engine step (decode tokens and prefill chunks)")
+    p.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                   help="token budget of one engine step (decode tokens and prefill chunks; default: the "
+                        "backend's, 256 on the CPU, 2048 on a GPU)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                    help="KV-pool blocks of 16 positions (default: what a quarter of free memory holds, at most "
                         "--max-running full windows)")
@@ -64,7 +66,7 @@ def check_flags(args: argparse.Namespace) -> None:
     runtime.check_device_flags(args)
     for flag, value in (("--max-running", args.max_running), ("--step-tokens", args.step_tokens),
                         ("--embedding-rows", args.embedding_rows)):
-        if value < 1:
+        if value is not None and value < 1:
             raise RequestError(f"{flag} must be at least 1, got {value}")
     if args.max_queued < 0 or args.drain < 0:
         raise RequestError("--max-queued and --drain must be >= 0")
@@ -96,10 +98,13 @@ def _loader(args: argparse.Namespace) -> Any:
         if config.kind == "encoder":
             raise RequestError(f"{args.model} is an encoder model: serve it with --embedding-model")
         ctx = runtime.choose_context(args, config.max_positions, DEFAULT_CTX)
-        options = DriverOptions(capacity=ctx, prefill_chunk=min(args.batch_size, ctx, args.step_tokens),
-                                kv_blocks=args.kv_blocks, step_tokens=args.step_tokens,
+        defaults = executor.capabilities().defaults
+        step_tokens = args.step_tokens or defaults.step_tokens
+        options = DriverOptions(capacity=ctx, prefill_chunk=min(runtime.batch_size(args, executor), ctx, step_tokens),
+                                kv_blocks=args.kv_blocks, step_tokens=step_tokens,
                                 max_running=args.max_running, prefix_cache=not args.no_prefix_cache)
         engine = Driver(handle, executor, options).serve(Layout.PAGED)
+        state.settings.max_running = engine.limits.max_running  # admission counts the backend's default too
         encoder = reranker = None
         if args.embedding_model is not None:  # encoders get executors of their own: they run in other threads
             encoder = EncoderWorker(SentenceEncoder.load(args.embedding_model, runtime.open_device(args),
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(f"the server needs {exc.name}: pip install 'poot-core[serve]'") from exc
 
     keys = KeyRing.load(args.api_keys) if args.api_keys else None
-    settings = Settings(args.served_model_name or _name(args.model), args.max_queued, args.max_running, args.drain)
+    # max_running is set from the engine once the model is loaded (the backend chooses it without --max-running)
+    settings = Settings(args.served_model_name or _name(args.model), args.max_queued, args.max_running or 0, args.drain)
     settings.tool_call_parser = args.tool_call_parser
     state = ServerState(settings, keys)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="poot serve: %(message)s")

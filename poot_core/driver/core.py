@@ -17,6 +17,7 @@ one, and the cache bookkeeping drops what was rejected (the next step writes ove
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -61,18 +62,27 @@ class GenerationControl(Enum):
 @dataclass
 class DriverOptions:
     capacity: int = 2048  # KV positions: prompt plus new tokens
-    prefill_chunk: int = 128  # new tokens per prefill step
+    # None here (and in step_tokens, max_running, kv_fraction): the executor's RunDefaults (128 on the CPU)
+    prefill_chunk: int | None = None  # new tokens per prefill step
     max_programs: int = 16  # prepared step programs kept at once
     draft: Draft = DraftPolicy.OFF  # speculative decoding: DraftPolicy.PromptLookup(...), .DraftModel(...), .Mtp(k)
     # Serving (Layout.PAGED, see engine.py): the KV pool, in blocks of block_size positions: kv_blocks of them,
     # or as many as kv_fraction of the device's free memory holds (never more than max_running full windows)
     block_size: int = 16
     kv_blocks: int | None = None
-    kv_fraction: float = 0.25
-    step_tokens: int = 256  # token budget of one serving step (decode tokens and prefill chunks)
-    max_running: int = 32  # sequences one serving step may hold
+    kv_fraction: float | None = None
+    step_tokens: int | None = None  # token budget of one serving step (decode tokens and prefill chunks)
+    max_running: int | None = None  # sequences one serving step may hold
     prefix_cache: bool = True
     draft_max_batch: int = 8  # serving: sequences speculate while at most this many run (0: never)
+
+
+def with_defaults(options: DriverOptions, executor: Executor) -> DriverOptions:
+    """A copy of `options` with every field left as None set to the executor's RunDefaults."""
+    defaults = executor.capabilities().defaults
+    unset = {name: getattr(defaults, name) for name in ("prefill_chunk", "step_tokens", "max_running", "kv_fraction")
+             if getattr(options, name) is None}
+    return dataclasses.replace(options, **unset)
 
 
 @dataclass
@@ -146,7 +156,7 @@ class Driver:
     def __init__(self, handle: ModelHandle, executor: Executor, options: DriverOptions | None = None) -> None:
         self.handle = handle
         self.executor = executor
-        self.options = options or DriverOptions()
+        self.options = with_defaults(options or DriverOptions(), executor)
         if self.options.capacity < 1 or self.options.prefill_chunk < 1:
             raise RequestError("capacity and prefill_chunk must be positive")
         config = handle.config()

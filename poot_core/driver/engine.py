@@ -12,7 +12,6 @@ are ever prepared; padding tokens belong to no sequence and write nothing.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.speculative_engine import engine_speculation
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
-from poot_core.executor import Output, Program, device_greedy_rows
+from poot_core.executor import Output, Program, device_greedy_rows, state_nbytes
 from poot_core.graph import Graph, Paging, StepShape
 
 if TYPE_CHECKING:
@@ -146,7 +145,7 @@ class ServingDriver:
             raise RequestError(f"kv_fraction must be in (0, 1], got {options.kv_fraction}")
         probe: Graph = self.driver._trace(StepShape(1, 1, self.block_size,
                                                     paging=Paging(1, self.block_size, 1, self.max_blocks)))
-        per_block = sum(4 * math.prod(spec.shape) for spec in probe.state.values())  # float32 state
+        per_block = state_nbytes(self.driver.executor, probe, self.driver.weights)  # one block of every pool
         fits = int(options.kv_fraction * self.driver.executor.memory()["free"]) // max(per_block, 1)
         enough = options.max_running * self.max_blocks  # every running sequence at its full window
         blocks = min(fits, enough)
