@@ -99,10 +99,9 @@ class ServerState:
         self.accepted += n
         loop = asyncio.get_running_loop()
         account = _Accounting(self, tenant)
-        tickets = [Ticket(loop, r, tenant.priority, tenant.salt if self.keys else None, tenant.name, account)
-                   for r in requests]
-        for t, top in zip(tickets, prompt_tops or [None] * n, strict=True):
-            t.prompt_top = top
+        salt = tenant.salt if self.keys else None
+        tickets = [Ticket(loop, r, tenant.priority, salt, tenant.name, top, on_item=account)
+                   for r, top in zip(requests, prompt_tops or [None] * n, strict=True)]
         for t in tickets:
             loaded.bridge.submit(t)
         for t in tickets:  # every one accepted, or the whole request is refused
