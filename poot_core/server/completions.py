@@ -63,7 +63,10 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
                  text: TextServices) -> Any:
     requests = [r for plan in plans for r in plan.requests(body.n)]
     tops = [plan.prompt_top if i == 0 else None for plan in plans for i in range(body.n)]  # once a prompt
-    tickets = await state.submit(request.state.tenant, requests, tops)
+    try:
+        tickets = await state.submit(request.state.tenant, requests, tops)
+    except APIError as err:
+        raise _name_field(err, plans) from None
     for plan, first in zip(plans, tickets[:: body.n], strict=True):
         plan.prompt_steps = first.prompt_steps
     prompt_tokens = sum(len(p.prompt) for p in plans)
@@ -120,6 +123,15 @@ class _Meta:
         if usage is not None:
             body["usage"] = usage
         return _event(body)
+
+
+def _name_field(err: APIError, plans: list[Plan]) -> APIError:
+    """A constraint that does not compile is refused when the engine takes the request, as a RequestError that
+    knows no field: the 400 names the field the constraint came from."""
+    field = plans[0].constraint_field
+    if err.status != 400 or err.param is not None or err.code != "RequestError" or field is None:
+        return err
+    return APIError(400, f"{field}: {err.message}", param=field, code="invalid_structured_output")
 
 
 def _top(plan: Plan) -> int:

@@ -49,6 +49,7 @@ class Plan:
     stops: list[str]
     body: Sampling
     constraint: Constraint | None = None  # response_format, vLLM guided fields or a forced call (constraint_of)
+    constraint_field: str | None = None  # the request field it came from: the param of its compile error
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
     tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
     logit_bias: dict[int, float] | None = None  # logit_bias_of
@@ -163,6 +164,7 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
         raise refuse("top_logprobs", "needs logprobs: true")
     tools = _tools(text, body, parser)
     constraint = constraint_of(body, None if tools is None else tools.constraint)
+    field = constraint_field(body, constraint is not None and tools is not None and tools.forced)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise refuse("max_completion_tokens", "differs from max_tokens; give one of them")
@@ -175,7 +177,8 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
     if not body.ignore_eos:
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return Plan(prompt, max_new, stops, body, constraint, logprobs, tools, logit_bias_of(body, text.vocab_size()))
+    return Plan(prompt, max_new, stops, body, constraint, field, logprobs, tools,
+                logit_bias_of(body, text.vocab_size()))
 
 
 def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constraint | None:
@@ -200,6 +203,20 @@ def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constrain
         raise APIError(400, f"a request takes one structured output constraint, got {' and '.join(named)}",
                        param=named[1], code="conflicting_constraints")
     return response or guided or forced
+
+
+def constraint_field(body: Sampling, forced: bool) -> str | None:
+    """The field the request's one constraint (constraint_of) came from, as the request spells it: response_format,
+    structured_outputs.<kind> or guided_<kind>, or tools (a forced call's schema is the tool's parameters)."""
+    if forced:
+        return "tools"
+    if body.response_format is not None:
+        return "response_format"
+    try:
+        given = guided_fields(body.model_dump(include=set(GUIDED_FIELDS), exclude_none=True))
+    except RequestError:
+        return None
+    return given[0][0] if given else None
 
 
 def _tools(text: TextServices, body: ChatCompletionRequest, parser: str | None = None) -> Tools | None:
@@ -245,6 +262,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
     prompt_top = max(tops) if tops else None
     vocab = text.vocab_size()
     constraint = constraint_of(body)
+    field = constraint_field(body, False)
     bias = logit_bias_of(body, vocab)
     plans = []
     for i, ids in enumerate(prompts):
@@ -257,7 +275,7 @@ def completion_plans(text: TextServices, body: CompletionRequest, window: int) -
         check_window(len(ids), max_new, window, "prompt")
         echo = (texts[i] if texts[i] is not None else text.decode(ids)) if body.echo else None
         plans.append(Plan(ids, max_new, stops_of(body), body, constraint, logprobs=body.logprobs, logit_bias=bias,
-                          echo=echo, prompt_top=prompt_top))
+                          echo=echo, prompt_top=prompt_top, constraint_field=field))
     return plans
 
 

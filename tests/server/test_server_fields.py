@@ -223,3 +223,30 @@ def test_the_mistral_parser_reads_calls_of_a_free_reply(client, stream):
     assert reason == "tool_calls" and not content
     assert len(found) == 1 and found[0][0] == "get_weather"
     assert json.loads(found[0][1])["city"] in ("Paris", "Rome", "Oslo")
+
+
+# --- a constraint that does not compile: the 400 names its field -----------------------------------------------
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+NOT_COMPILING = [  # these pass the server's checks and fail to compile in the engine
+    ("chat", {"guided_regex": "[a-"}, "guided_regex"),
+    ("completions", {"guided_json": {"type": "wat"}}, "guided_json"),
+    ("completions", {"structured_outputs": {"grammar": "start: ( 'a'"}}, "structured_outputs.grammar"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format"),
+    ("chat", {"tools": [BAD_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_compile_error_names_its_field(client, stream):
+    for endpoint, fields, param in NOT_COMPILING:
+        with pytest.raises(openai.BadRequestError) as err:
+            if endpoint == "chat":
+                client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, stream=stream,
+                                               extra_body=fields)
+            else:
+                client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, stream=stream,
+                                          extra_body=fields)
+        body = err.value.body
+        assert body["param"] == param, (fields, body)
+        assert "does not compile" in body["message"] or "admits no reply" in body["message"], body
