@@ -15,7 +15,7 @@ import pytest
 import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 
 from helpers.triton_mode import interpreted
-from poot_core import Driver, DriverOptions, ModelHandle, open_executor
+from poot_core import Driver, DriverOptions, ModelHandle, StepShape, open_executor
 from poot_kernels_triton.executor import TritonExecutor
 
 # LFM2 (convolutions), Mamba2 (scan only), Granite 4.0-H (scan beside attention), Qwen3-Next (delta rule, gated
@@ -65,7 +65,7 @@ def test_recurrent_state_is_float32_on_the_executor(hybrid_checkpoint):
     handle = ModelHandle.load(hybrid_checkpoint("granitemoehybrid", torch.bfloat16))
     ex = triton_executor()
     d = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=CHUNK))
-    graph = d.program(d._step_shape(1, False)).graph
+    graph = d.program(StepShape(1, 1, 64)).graph
     state = ex.allocate_state(graph)
     kinds = {name: spec.kind for name, spec in graph.state.items()}
     assert {kinds[n] for n, buf in state.items() if buf.dtype == torch.float32} == {"conv", "ssm"}
