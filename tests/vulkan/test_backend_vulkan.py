@@ -277,3 +277,20 @@ def test_refuses_head_dims_not_a_multiple_of_four(vulkan):
     with pytest.raises(Unsupported) as err:
         attention_decode(rt.batch(), q, cache, cache, rt.empty((1, 2, 6)), position=0, scale=1.0)
     assert err.value.reason is Reason.SHAPE and "multiple of 4" in str(err.value)
+
+
+def test_paged_layout_is_refused_by_name(tiny_checkpoint, vulkan):
+    """Layout.PAGED: the serving driver refuses a backend without the paged layout, and a paged step prepared
+    directly is refused at prepare time, before any kernel runs."""
+    from poot_core import Layout
+    from poot_core.graph.ir import Paging
+
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    assert "paged" not in vulkan.capabilities().layouts
+    with pytest.raises(Unsupported) as err:
+        Driver(handle, vulkan, DriverOptions(capacity=64)).serve(Layout.PAGED)
+    assert err.value.reason is Reason.SHAPE and "Layout.PAGED" in str(err.value)
+    graph = trace(handle, StepShape(1, 4, 64, paging=Paging(blocks=8, block_size=16, seqs=4, max_blocks=4)))
+    with pytest.raises(Unsupported) as err:
+        vulkan.prepare(graph, vulkan.upload(handle.store()))
+    assert err.value.reason is Reason.SHAPE and "paged KV" in str(err.value)

@@ -92,6 +92,9 @@ class VulkanProgram:
         self.graph = graph
         self.weights = weights
         shape = graph.shape
+        if shape.paging is not None:  # the batched engine checks capabilities().layouts first; a direct prepare too
+            raise Unsupported(Reason.SHAPE, "paged KV layout (Layout.PAGED)",
+                              "the vulkan backend runs contiguous KV caches only; use Layout.CONTIGUOUS")
         if shape.rows != 1:
             raise Unsupported(Reason.SHAPE, f"rows={shape.rows}", "the vulkan backend runs one sequence per step")
         self.tokens = shape.tokens
