@@ -40,6 +40,11 @@ class PootHooks:
     def poot_register_backends(self) -> list[Any]:  # type: ignore[empty-body]
         """Return BackendSpec objects (see poot_core.executor.BackendSpec)."""
 
+    @hookspec
+    def poot_backend_devices(self) -> list[str]:  # type: ignore[empty-body]
+        """Optional: one line per device the plugin's backend finds (platform, device, limits), shown by
+        `poot plugins`; called only there, so discovery stays free of device drivers."""
+
 
 def lazy_executor(module: str, name: str) -> Callable[[], Any]:
     """A BackendSpec's `open` that imports `module` and builds its executor class `name` only when the backend
@@ -76,6 +81,7 @@ class PluginRecord:
     error: str | None = None
     families: list[Any] = field(default_factory=list)
     backends: list[Any] = field(default_factory=list)
+    devices: Callable[[], list[str]] = field(default=lambda: [], repr=False)  # poot_backend_devices, on demand
 
 
 @dataclass
@@ -131,3 +137,4 @@ def _collect(record: PluginRecord, plugin: object) -> None:
     manager.register(plugin)
     record.families = [f for batch in manager.hook.poot_register_families() for f in batch]
     record.backends = [b for batch in manager.hook.poot_register_backends() for b in batch]
+    record.devices = lambda: [line for batch in manager.hook.poot_backend_devices() for line in batch]

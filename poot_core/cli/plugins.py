@@ -16,6 +16,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _devices(record: object) -> list[str]:
+    try:
+        return list(record.devices())  # type: ignore[attr-defined]
+    except Exception as exc:  # a broken device listing must not break the others
+        return [f"(listing failed: {type(exc).__name__}: {exc})"]
+
+
 def run(args: argparse.Namespace) -> int:
     found = discover()
     rows = []
@@ -25,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
                  "families": [{"name": f.name, "architectures": list(f.architectures)} for f in record.families],
                  "backends": [{"name": b.name, "aliases": list(b.aliases), "priority": b.priority,
                                "device_present": _safe_probe(b)} for b in record.backends]}
+        entry["devices"] = _devices(record) if record.backends else []
         rows.append(entry)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -41,4 +49,6 @@ def run(args: argparse.Namespace) -> int:
             state = "device present" if b["device_present"] else "device absent"
             aliases = f" (also {', '.join(b['aliases'])})" if b["aliases"] else ""
             print(f"    backend {b['name']}{aliases}: {state}, priority {b['priority']}")
+        for line in e["devices"]:
+            print(f"        device {line}")
     return 0

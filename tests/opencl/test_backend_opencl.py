@@ -187,3 +187,16 @@ def test_refuses_unsupported_quantization_naming_the_tensor(opencl):
         opencl.upload(Store())
     assert err.value.reason is Reason.QUANTIZATION
     assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+def test_poot_plugins_lists_the_opencl_devices(capsys):
+    from poot_core.cli.main import main
+
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    for device in opencl_devices():
+        assert f"device {device.platform.name.strip()} / {device.name.strip()}" in text
+

@@ -23,14 +23,14 @@ def hardware_probe() -> bool:
     return any(not is_cpu_device(d) for d in opencl_devices())
 
 
-def devices() -> list[str]:
-    """One line per OpenCL device found (platform, device, kind, memory, limits); [] when none."""
+@hookimpl
+def poot_backend_devices() -> list[str]:
+    """One line per OpenCL device found (platform, device, kind, memory, limits), for `poot plugins`."""
     try:
         from poot_backend_opencl.kernels.runtime import describe, opencl_devices
-
-        return [describe(d) for d in opencl_devices()]
-    except Exception:
-        return []
+    except ImportError as exc:
+        return [f"(pyopencl is not importable: {exc})"]
+    return [describe(d) for d in opencl_devices()]
 
 
 @hookimpl
