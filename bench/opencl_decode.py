@@ -1,0 +1,124 @@
+"""OpenCL decode beside the CUDA backend and the copy-bandwidth floor, batch 1, random weights.
+
+Shapes: Llama-3-8B in bf16, and with its layers' matrices in GGUF Q4_K (the embedding and head bf16), the same
+random weights for each backend (vulkan_decode.RandomStore, seed 0); both decode greedily on the device through
+the same loop (common.greedy_generate: prefill the prompt, then one token a step, 4 bytes read back a step).
+Reported per backend: decode tok/s, the bytes a step reads (every weight but the embedding table, plus the mean
+KV read) times tok/s as GB/s, and that against the measured copy bandwidth (the floor: the tok/s at which one
+step's bytes take the copy time). For OpenCL also the host time of one decode step's run() (enqueueing the bound
+kernels) and the kernels a step enqueues. Target on the H200 (NVIDIA's OpenCL driver): >= 50% of the copy
+bandwidth in bf16. The CUDA backend runs in the same process when CUDA is present.
+
+    python bench/opencl_decode.py [--out results.json] [--models llama8b,llama8b_q4k] [--no-cuda] [--layers N]
+    python bench/opencl_decode.py --smoke    # tiny shapes, a few tokens (pocl): checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vulkan_decode  # noqa: E402  (its RandomStore, decode loop and step accounting, shared by every backend)
+from gpu_decode import HF_LLAMA3_8B  # noqa: E402
+
+import common  # noqa: E402
+
+MODELS = {"llama8b": (HF_LLAMA3_8B, "bfloat16"), "llama8b_q4k": (HF_LLAMA3_8B, "gguf.Q4_K")}
+log = common.log
+
+
+def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str, prompt: int, new: int) -> None:
+    """The host time of one decode step's run() and its launch count, on a fresh program of the same model."""
+    from poot_core import open_executor
+    from poot_family_llama.plugin import DenseDecoder
+
+    family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
+    config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    ex = open_executor("opencl")
+    store = vulkan_decode.RandomStore(vulkan_decode.llama_shapes(hf), kind)
+    weights = ex.upload(store)
+    program = common.step_programs(family, config, ex, weights, store.shapes(), prompt + new)
+    dec, graph = program(1)
+    state = ex.allocate_state(graph)
+    backend_result["host_run_ms"] = vulkan_decode.host_run_ms(ex, dec, state, prompt, new)
+    backend_result["launches_per_step"] = len(dec.step.launches)
+    backend_result["device"] = ex.capabilities().notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: checks the script")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--no-cuda", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompt, args.new = min(args.prompt, 4), min(args.new, 4)
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    if torch.cuda.is_available():
+        bandwidth, how = vulkan_decode.gpu_copy_bandwidth(), "torch device-to-device copy"
+    else:
+        bandwidth, how = common.copy_bandwidth(), "torch host memory copy"
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
+    payload: dict[str, Any] = {
+        "copy_GBps": bandwidth / 1e9, "copy_how": how, "prompt": args.prompt, "new_tokens": args.new,
+        "weights": "random bf16, N(0, 0.02), or GGUF blocks with scales 0.001, seed 0, the same for every backend",
+        "smoke": args.smoke, "models": {},
+    }
+    if torch.cuda.is_available():
+        payload["device"] = torch.cuda.get_device_name()
+    for key in args.models.split(","):
+        base, kind = MODELS[key]
+        hf = dict(base)
+        if args.smoke:
+            hf.update(vulkan_decode.TINY)
+        if args.layers:
+            hf["num_hidden_layers"] = args.layers
+        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "kind": kind}
+        for backend in ["opencl"] + (["cuda"] if cuda else []):
+            log(f"{key}: {backend} ...")
+            try:
+                entry[backend] = vulkan_decode.decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
+                if backend == "opencl":
+                    opencl_extras(entry[backend], hf, kind, args.prompt, args.new)
+            except Exception as error:  # one backend failing still reports the other
+                entry[backend] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"  {json.dumps({k: v for k, v in entry[backend].items() if k != 'tokens'})}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if "tokens" in entry.get("opencl", {}) and "tokens" in entry.get("cuda", {}):
+            a, b = entry["opencl"]["tokens"], entry["cuda"]["tokens"]
+            entry["greedy_tokens_equal_prefix"] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True))
+                                                        if x != y), len(a))
+        payload["models"][key] = entry
+    if args.out:
+        args.out.write_text(json.dumps(payload, indent=1))
+    else:
+        log(f"wrote {common.write('opencl_decode', payload)}")
+    log("\n=== summary (batch 1) ===")
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for key, entry in payload["models"].items():
+        for backend in ("opencl", "cuda"):
+            r = entry.get(backend)
+            if not r or "error" in r:
+                log(f"{key:11s} {backend:6s}: {r}")
+                continue
+            extra = ""
+            if backend == "opencl":
+                extra = f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels"
+            log(f"{key:11s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.1f} GB/s "
+                f"({100 * r['fraction_of_copy_bandwidth']:.1f}% of copy; floor {r['floor_tok_s']:.0f} tok/s){extra}")
+
+
+if __name__ == "__main__":
+    main()
