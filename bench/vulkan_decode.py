@@ -1,6 +1,8 @@
-"""Vulkan decode beside the CUDA backend and the copy-bandwidth floor, batch 1, random bf16 weights.
+"""Vulkan decode beside the CUDA backend and the copy-bandwidth floor, batch 1, random weights.
 
-Two shapes: SmolLM2-135M (untied head, so the head is its own matrix as in the 8B) and Llama-3-8B. The same
+Shapes: SmolLM2-135M bf16 (untied head, so the head is its own matrix as in the 8B), Llama-3-8B bf16 and with its
+layers' matrices in GGUF Q4_K (the embedding and head bf16), and a Qwen3-30B-A3B-shaped MoE beside a dense
+Qwen3 with the same active bytes (gpu_moe.py's models: its decode should cost about what the dense one does). The same
 weights (RandomStore, seed 0) go to each executor; both decode greedily on the device through the
 same loop (prefill the prompt, then one token per step, 4 bytes read back a step). Reported per backend: decode
 tok/s, the bytes a step reads (every weight but the embedding table, plus the mean KV read) times tok/s as
@@ -9,7 +11,9 @@ For Vulkan also: the device time of one step alone (many recorded steps submitte
 to encode one step, the dispatches per step, and a GEMV sweep over the 8B projection shapes (weights rotated
 past the L2) so the step time can be split into matmul and the rest.
 
-    python bench/vulkan_decode.py --out results.json [--models smollm2,llama8b] [--no-cuda] [--layers N]
+    python bench/vulkan_decode.py --out results.json [--models smollm2,llama8b,llama8b_q4k,qwen3moe] [--no-cuda]
+        [--layers N]
+    python bench/vulkan_decode.py --smoke    # every model at tiny shapes (lavapipe): checks the script only
 """
 
 from __future__ import annotations
@@ -28,12 +32,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backend_vulkan"))
 
-from gpu_decode import HF_LLAMA3_8B, llama_shapes  # noqa: E402
+import gpu_moe  # noqa: E402
+from gpu_decode import GGUF_BLOCKS, HALF_FIELDS, HF_LLAMA3_8B, llama_shapes  # noqa: E402
 
 import common  # noqa: E402
 
 SMOLLM2_135M = common.hf_config("smollm2_135m")
-MODELS = {"smollm2": SMOLLM2_135M, "llama8b": HF_LLAMA3_8B}
+# name -> (Hugging Face config, stored kind of the layers' matrices)
+MODELS = {"smollm2": (SMOLLM2_135M, "bfloat16"), "llama8b": (HF_LLAMA3_8B, "bfloat16"),
+          "llama8b_q4k": (HF_LLAMA3_8B, "gguf.Q4_K"), "qwen3moe": (gpu_moe.QWEN3_30B_A3B, "bfloat16")}
+# --smoke: dense shapes small enough for lavapipe on two cores (rows a multiple of Q4_K's 256)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+            num_hidden_layers=2)
 
 
 log = common.log
@@ -41,18 +51,34 @@ log = common.log
 
 class RandomStore(common.DeviceStore):
     """bf16 weights N(0, 0.02) (norm scales 1), made on the GPU when there is one, seeded per run so every
-    executor gets the same values (on a GPU, those of gpu_decode.GpuStore's bf16 layout)."""
+    executor gets the same values (on a GPU, those of gpu_decode.GpuStore's bf16 layout). With a GGUF `kind`
+    the layers' matrices are random blocks of that type with small scales (the embedding and head stay bf16)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], kind: str = "bfloat16", seed: int = 0) -> None:
         super().__init__()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator(device=device).manual_seed(seed)
         for name, shape in shapes.items():
             if len(shape) == 1:
                 self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device=device)
+            elif kind != "bfloat16" and ".layers." in name:
+                self.w[name] = gguf_blocks(kind.removeprefix("gguf."), shape, gen, device)
             else:
                 t = torch.empty(shape, dtype=torch.bfloat16, device=device)
                 self.w[name] = t.normal_(0.0, 0.02, generator=gen)
+
+
+def gguf_blocks(type_name: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -> Any:
+    """A random [rows, cols] GGUF matrix of `type_name`: random codes, every f16 scale 0.001."""
+    from poot_core import PackedWeight
+
+    rows, cols = shape
+    elems, size = GGUF_BLOCKS[type_name]
+    b = torch.randint(0, 256, (rows, cols // elems, size), dtype=torch.uint8, device=device, generator=gen)
+    scale = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).to(device)
+    for at in HALF_FIELDS[type_name]:
+        b[:, :, at : at + 2] = scale
+    return PackedWeight("gguf", (rows, cols), {"blocks": b.reshape(rows, -1)}, {"type": type_name})
 
 
 def gpu_copy_bandwidth() -> float:
@@ -69,14 +95,15 @@ def step_bytes(hf: dict[str, Any], weight_bytes: int, prompt: int, new: int) -> 
     return weight_bytes - hf["vocab_size"] * hf["hidden_size"] * 2 + kv
 
 
-def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: float) -> dict[str, Any]:
+def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: float,
+               kind: str = "bfloat16") -> dict[str, Any]:
     from poot_core import open_executor
     from poot_family_llama.plugin import DenseDecoder
 
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
     config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     ex = open_executor(backend)
-    store = RandomStore(llama_shapes(hf))
+    store = RandomStore(llama_shapes(hf), kind)
     shapes = store.shapes()
     t0 = time.perf_counter()
     weights = ex.upload(store)
@@ -103,6 +130,7 @@ def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidt
     nbytes = step_bytes(hf, weight_bytes, prompt, new)
     result: dict[str, Any] = {
         "backend": backend,
+        "kind": kind,
         "weight_GB": weight_bytes / 1e9,
         "step_GB": nbytes / 1e9,
         "upload_s": upload_s,
@@ -118,7 +146,37 @@ def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidt
     }
     if backend == "vulkan":
         result.update(vulkan_step_profile(ex, dec, state, prompt + new // 2, nbytes))
+        result["host_run_ms"] = host_run_ms(ex, dec, state, prompt, new)
+        result["host_over_device"] = result["host_run_ms"] / result["device_step_ms"]
     return result
+
+
+def host_run_ms(ex: Any, dec: Any, state: dict[str, Any], prompt: int, new: int) -> float:
+    """Median host milliseconds of one decode step's run() (inputs and uniforms written, the recorded step
+    submitted, the next step's command buffer encoded): the wait for its token is timed apart, not here."""
+    times = []
+    token = 0
+    for step in range(min(new - 1, 16)):
+        t0 = time.perf_counter()
+        out = dec.run(state, {"tokens": np.array([[token]]), "positions": np.array([[prompt + step]])})[0]
+        times.append(time.perf_counter() - t0)
+        token = ex.greedy_token(out)
+    return 1e3 * statistics.median(times)
+
+
+def moe_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: float) -> dict[str, Any]:
+    """gpu_moe.py's MoE model and its dense twin (same attention, an MLP as wide as the chosen experts) on one
+    backend: decode tok/s of each and their ratio (the MoE target: within 1.5x of the dense model's time)."""
+    from poot_core import open_executor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = {}
+    for label, model in (("moe", hf), ("dense", gpu_moe.dense_twin(hf))):
+        runs[label] = gpu_moe.run_model(model, open_executor(backend), device, prompt, new, 0, bandwidth / 1e9)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    runs["moe_time_over_dense"] = runs["dense"]["decode_tok_s"] / runs["moe"]["decode_tok_s"]
+    return runs
 
 
 def vulkan_step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, nbytes: float) -> dict[str, Any]:
@@ -228,12 +286,15 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--models", default="smollm2,llama8b")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: checks the script")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--no-cuda", action="store_true")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompt, args.new = min(args.prompt, 4), min(args.new, 4)
 
     cuda = torch.cuda.is_available() and not args.no_cuda
     if torch.cuda.is_available():
@@ -248,20 +309,27 @@ def main() -> None:
         "copy_how": how,
         "prompt": args.prompt,
         "new_tokens": args.new,
-        "weights": "random bf16, N(0, 0.02), seed 0, the same for every backend",
+        "weights": "random bf16, N(0, 0.02), or GGUF blocks with scales 0.001, seed 0, the same for every backend",
+        "smoke": args.smoke,
         "models": {},
     }
     if torch.cuda.is_available():
         payload["device"] = torch.cuda.get_device_name()
     for key in args.models.split(","):
-        hf = dict(MODELS[key])
+        base, kind = MODELS[key]
+        hf = dict(base)
+        if args.smoke:
+            hf.update(gpu_moe.SMOKE if key == "qwen3moe" else TINY)
         if args.layers:
             hf["num_hidden_layers"] = args.layers
-        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"]}
+        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "kind": kind}
         for backend in ["vulkan"] + (["cuda"] if cuda else []):
             log(f"{key}: {backend} ...")
             try:
-                entry[backend] = decode_run(backend, hf, args.prompt, args.new, bandwidth)
+                if key == "qwen3moe":
+                    entry[backend] = moe_run(backend, hf, args.prompt, args.new, bandwidth)
+                else:
+                    entry[backend] = decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
             except Exception as error:  # one backend failing still reports the other
                 entry[backend] = {"error": f"{type(error).__name__}: {error}"}
             shown = {k: v for k, v in entry[backend].items() if k != "tokens"}
@@ -272,7 +340,7 @@ def main() -> None:
             a, b = entry["vulkan"]["tokens"], entry["cuda"]["tokens"]
             same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
             entry["greedy_tokens_equal_prefix"] = same
-        if key == "llama8b":
+        if key == "llama8b" and not args.smoke:
             entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
         payload["models"][key] = entry
     text = json.dumps(payload, indent=1)
@@ -287,19 +355,29 @@ def main() -> None:
     for key, entry in payload["models"].items():
         for backend in ("vulkan", "cuda"):
             r = entry.get(backend)
-            if not r or "error" in r:
-                log(f"{key:8s} {backend:6s}: {r}")
+            if r is None:  # not run (no CUDA device, or --no-cuda)
+                continue
+            if "error" in r:
+                log(f"{key:11s} {backend:6s}: {r}")
+                continue
+            if key == "qwen3moe":
+                moe, dense = r["moe"], r["dense"]
+                log(f"{key:11s} {backend:6s}: MoE {moe['decode_tok_s']:7.1f} tok/s ({moe['achieved_GBps']:.0f} GB/s "
+                    f"active), dense twin {dense['decode_tok_s']:7.1f} tok/s: MoE takes "
+                    f"{r['moe_time_over_dense']:.2f}x the dense step time (target <= 1.5)")
                 continue
             extra = ""
             if backend == "vulkan":
                 extra = (
                     f", step on device {r['device_step_ms']:.2f} ms ({r['device_step_GBps']:.0f} GB/s), "
-                    f"host encode {r['host_encode_ms']:.2f} ms, {r['dispatches_per_step']} dispatches"
+                    f"host encode {r['host_encode_ms']:.2f} ms, host run() {r['host_run_ms']:.2f} ms a step "
+                    f"({100 * r['host_over_device']:.0f}% of the device step; target <= 25%), "
+                    f"{r['dispatches_per_step']} dispatches"
                 )
                 kernels = ", ".join(f"{k} {v['ms']:.2f} ms/{v['dispatches']}" for k, v in r["kernels"].items())
                 extra += f"\n{'':17s}per kernel: {kernels}"
             log(
-                f"{key:8s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
+                f"{key:11s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
                 f"({100 * r['fraction_of_copy_bandwidth']:.0f}% of copy){extra}"
             )
 
