@@ -12,6 +12,7 @@ are ever prepared; padding tokens belong to no sequence and write nothing.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from poot_core.driver.constraints import Matcher
+from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
@@ -31,7 +33,7 @@ from poot_core.executor import Output, Program, device_greedy_rows, state_nbytes
 from poot_core.graph import Graph, Paging, StepShape
 
 if TYPE_CHECKING:
-    from poot_core.driver.core import Driver, GenerateRequest, Generation, OnToken
+    from poot_core.driver.core import Driver, GenerateRequest, OnToken
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,14 @@ class _Request:
     proposed: int = 0  # speculative decoding: draft tokens verified, kept, and the runs that verified them
     accepted: int = 0
     verify_steps: int = 0
+
+
+def _step_tokens(seq: Sequence, count: int) -> list[int]:
+    """The `count` tokens a sequence runs in a step: its uncomputed tokens, then its draft."""
+    start = seq.computed
+    if count <= len(seq.tokens) - start:
+        return seq.tokens[start : start + count]
+    return (seq.tokens[start:] + seq.draft)[:count]
 
 
 def _buckets(limit: int) -> list[int]:
@@ -267,21 +277,30 @@ class ServingDriver:
         return self._sample(batch, out)
 
     def _inputs(self, shape: StepShape, batch: list[tuple[Sequence, int]]) -> dict[str, np.ndarray]:
+        """The step's host inputs, built with whole-array numpy operations (a step may hold hundreds of
+        sequences, and this runs between device steps)."""
         paging = shape.paging
         assert paging is not None
+        slots = len(batch)
+        counts = np.fromiter((count for _, count in batch), dtype=np.int64, count=slots)
+        starts = np.fromiter((seq.computed for seq, _ in batch), dtype=np.int64, count=slots)
+        n = int(counts.sum())
+        ends = np.cumsum(counts)  # one past each sequence's last token in the step
         tokens = np.zeros((1, shape.tokens), dtype=np.int64)
+        tokens[0, :n] = list(itertools.chain.from_iterable(_step_tokens(seq, count) for seq, count in batch))
         positions = np.zeros((1, shape.tokens), dtype=np.int64)
+        positions[0, :n] = np.arange(n) + np.repeat(starts - (ends - counts), counts)
         seq_index = np.full(shape.tokens, -1, dtype=np.int64)
+        seq_index[:n] = np.repeat(np.arange(slots), counts)
+        widths = np.fromiter((len(seq.blocks) for seq, _ in batch), dtype=np.int64, count=slots)
+        held = int(widths.sum())
         tables = np.zeros((paging.seqs, paging.max_blocks), dtype=np.int64)
+        rows = np.repeat(np.arange(slots), widths)
+        columns = np.arange(held) - np.repeat(np.cumsum(widths) - widths, widths)
+        tables[rows, columns] = np.fromiter(itertools.chain.from_iterable(seq.blocks for seq, _ in batch),
+                                            dtype=np.int64, count=held)
         logit_index = np.zeros(paging.seqs, dtype=np.int64)
-        t = 0
-        for slot, (seq, count) in enumerate(batch):
-            tokens[0, t : t + count] = (seq.tokens[seq.computed :] + seq.draft)[:count]
-            positions[0, t : t + count] = np.arange(seq.computed, seq.computed + count)
-            seq_index[t : t + count] = slot
-            tables[slot, : len(seq.blocks)] = seq.blocks
-            logit_index[slot] = t + count - 1
-            t += count
+        logit_index[:slots] = ends - 1
         return {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
                 "logit_index": logit_index}
 
@@ -333,8 +352,6 @@ class ServingDriver:
         emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
         req.pieces.append(emit)
         events: list[Event] = [TokenEvent(req.seq.id, token, emit, logprobs)]
-        from poot_core.driver.core import GenerationControl
-
         control = req.on_token(token, emit) if req.on_token else None
         if hit:
             return events + self._finish(req, "stop")
@@ -352,8 +369,6 @@ class ServingDriver:
         return events
 
     def _finish(self, req: _Request, reason: str, error: PootError | None = None, flush: bool = False) -> list[Event]:
-        from poot_core.driver.core import Generation, Timings
-
         events: list[Event] = []
         if flush or reason in ("length", "capacity", "callback"):
             tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ are given back least recently used first.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class PrefixCache:
     def key(previous: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         h.update(previous or b"\0" * 16)
-        h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+        h.update(array("I", tokens).tobytes())  # 4 bytes a token: keys live in one process, any byte order
         h.update(b"\1" + salt.encode() if salt is not None else b"\0")
         return h.digest()
 

@@ -61,6 +61,7 @@ class Scheduler:
         self.pool, self.limits = pool, limits
         self.waiting: list[Sequence] = []  # kept in order()
         self.running: list[Sequence] = []  # admission order: the last is the newest
+        self._running: set[Sequence] = set()  # the same sequences, for membership tests in O(1)
         self.preemptions = 0
         self._admissions = 0  # admissions so far, and each tenant's last one (its turn in the round robin)
         self._last_admitted: dict[str | None, int] = {}
@@ -81,8 +82,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Forget a sequence (finished or aborted), giving its blocks back."""
-        if seq in self.running:
+        if seq in self._running:
             self.running.remove(seq)
+            self._running.discard(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
@@ -103,18 +105,23 @@ class Scheduler:
             n = min(1 + len(seq.draft), budget)  # with its draft, if any: as much of it as the budget holds
             if n > 1 and self.pool.blocks_for(seq.computed + n) - len(seq.blocks) > self.pool.available:
                 n = 1  # draft tokens never preempt anyone: they run only in blocks the pool has to spare
-            if seq in self.running and seq.pending == 1 and self._reserve(seq, seq.computed + n, chosen):
+            if seq in self._running and seq.pending == 1 and self._reserve(seq, seq.computed + n, chosen):
                 chosen[seq] = n
                 del seq.draft[n - 1 :]
                 budget -= n
+        used = sum(chosen.values())
         for seq in list(self.running):  # then the prefill chunks of running sequences
-            budget = self.limits.step_tokens - sum(chosen.values())
+            budget = self.limits.step_tokens - used
             if budget == 0:
                 break
-            if seq in self.running and seq not in chosen and seq.pending > 1:
+            if seq in self._running and seq not in chosen and seq.pending > 1:
                 n = min(seq.pending, self.limits.prefill_chunk, budget)
+                preempted = self.preemptions
                 if self._reserve(seq, seq.computed + n, chosen):
                     chosen[seq] = n
+                    used += n
+                if self.preemptions != preempted:  # a preemption may have taken chosen tokens out of the step
+                    used = sum(chosen.values())
         budget = self.limits.step_tokens - sum(chosen.values())
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             seq = self._next_waiting()
@@ -158,6 +165,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, chosen: dict[Sequence, int]) -> None:
         self.running.remove(seq)
+        self._running.discard(seq)
         chosen.pop(seq, None)
         self._free(seq)
         seq.preemptions += 1
@@ -183,6 +191,7 @@ class Scheduler:
             seq.blocks.append(self.pool.allocate())
         self.waiting.remove(seq)
         self.running.append(seq)
+        self._running.add(seq)
         self._last_admitted[seq.tenant] = self._admissions
         self._admissions += 1
         return n

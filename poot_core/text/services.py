@@ -42,6 +42,7 @@ class TextServices:
     def __init__(self, vocab: Vocabulary) -> None:
         self.vocab = vocab
         self.tokenizer = vocab.tokenizer
+        self._size = self.tokenizer.get_vocab_size(with_added_tokens=True)  # asked once: decode runs per token
 
     # --- plain text -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
@@ -60,17 +61,18 @@ class TextServices:
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        bad = [i for i in ids if not 0 <= int(i) < size]
-        if bad:
+        ids = [int(i) for i in ids]
+        size = self._size
+        if ids and not 0 <= min(ids) <= max(ids) < size:
+            bad = [i for i in ids if not 0 <= i < size]
             raise RequestError(f"token ids outside the vocabulary of {size}: {bad[:5]}")
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def stream(self, context: list[int] | None = None) -> StreamDecoder:
         return StreamDecoder(self, context)
 
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        return self._size
 
     # --- chat -----------------------------------------------------------------------------------------
     def has_chat_template(self) -> bool:

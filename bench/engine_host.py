@@ -1,0 +1,155 @@
+"""The serving engine's own host time per step, with the device's work taken away: an executor that computes
+nothing (its programs return at once and its greedy picks are seeded random ids) runs the engine over SmolLM2's
+real tokenizer and graphs, so what is timed is scheduling, building the step's inputs, tracing new bucket
+shapes, picking and detokenizing, stops and events: the time a GPU waits between steps when this work is on its
+critical path (on the H200, about 2.8 s of a 10.9 s run of 256 x (1024 + 128) went there).
+
+  python bench/engine_host.py [--requests 256] [--prompt 1024] [--new 128] [--step-tokens 2048] [--profile]
+
+Prints the whole run's host seconds, the mean host time of a decode step and of a step with prefill chunks,
+and beside them the device time of the same steps measured on the H200 (the floor this host time should stay
+well under); --profile prints the engine's top functions by own time. Writes bench/results/engine_host.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import common  # noqa: E402
+from helpers import smollm  # noqa: E402
+from poot_core import (  # noqa: E402
+    Capabilities,
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Layout,
+    ModelHandle,
+    RunDefaults,
+)
+
+# Device time of a step on the H200 (bench/gpu_serve.py --profile, Llama-3-8B shape, bf16; NOTES.md, issue 16)
+H200_DECODE_256_MS = 22.1  # a decode step of 256 sequences at 1088 positions
+H200_PREFILL_2048_MS = 41.3  # a step of two 1024-token prefill chunks
+
+
+class _Idle:
+    """The output of a step that computed nothing: how many sequence slots it had."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+
+class _IdleProgram:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+    def run(self, state: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
+        return [_Idle(self.slots)]
+
+
+class IdleExecutor:
+    """Every protocol method the serving engine calls, doing no arithmetic."""
+
+    name = "idle"
+
+    def __init__(self, vocab: int, defaults: RunDefaults, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.defaults = defaults
+        self.rng = np.random.default_rng(seed)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(frozenset(), frozenset(), layouts=frozenset({"contiguous", "paged"}),
+                            defaults=self.defaults)
+
+    def upload(self, store: Any) -> None:
+        return None
+
+    def prepare(self, graph: Any, weights: Any) -> _IdleProgram:
+        return _IdleProgram(graph.shape.paging.seqs if graph.shape.paging else 1)
+
+    def allocate_state(self, graph: Any) -> dict:
+        return {}
+
+    def copy_state_rows(self, state: Any, src_row: int, dst_row: int, length: int) -> None:
+        pass
+
+    def memory(self) -> dict[str, int]:
+        return {"total": 1 << 40, "free": 1 << 40}
+
+    def to_numpy(self, value: _Idle) -> np.ndarray:
+        return np.zeros((1, value.slots, self.vocab), dtype=np.float32)
+
+    def greedy_rows(self, value: _Idle) -> np.ndarray:
+        return self.rng.integers(100, self.vocab, value.slots)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--step-tokens", type=int, default=2048, help="the step budget (the GPU's default: 2048)")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    handle = ModelHandle.load(smollm.gguf_path())
+    vocab = handle.config().vocab_size
+    defaults = RunDefaults(prefill_chunk=args.step_tokens, step_tokens=args.step_tokens,
+                           max_running=args.requests, kv_fraction=0.8)
+    capacity = args.prompt + args.new
+    options = DriverOptions(capacity=capacity, kv_blocks=args.requests * -(-capacity // 16))
+    engine = Driver(handle, IdleExecutor(vocab, defaults), options).serve(Layout.PAGED)
+    rng = np.random.default_rng(1)
+
+    def requests() -> list[GenerateRequest]:
+        return [GenerateRequest(rng.integers(100, vocab, args.prompt).tolist(), max_new=args.new, ignore_eos=True)
+                for _ in range(args.requests)]
+
+    engine.generate_batch(requests())  # traces every bucket shape once, as a server's first requests do
+    step_times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    submitted = [engine.submit(r) for r in requests()]
+    profiler = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    finished = 0
+    while finished < len(submitted):
+        decode = not engine.scheduler.waiting and all(s.pending == 1 for s in engine.scheduler.running)
+        s0 = time.perf_counter()
+        events = engine.step()
+        step_times["decode" if decode else "prefill"].append(time.perf_counter() - s0)
+        finished += sum(1 for e in events if type(e).__name__ == "FinishedEvent")
+    if profiler:
+        profiler.disable()
+    seconds = time.perf_counter() - t0
+    decode_ms = 1000 * float(np.mean(step_times["decode"])) if step_times["decode"] else 0.0
+    prefill_ms = 1000 * float(np.mean(step_times["prefill"])) if step_times["prefill"] else 0.0
+    print(f"engine host time, {args.requests} x ({args.prompt} + {args.new}), step budget {args.step_tokens}: "
+          f"{seconds:.2f} s over {sum(map(len, step_times.values()))} steps")
+    print(f"  decode step   {decode_ms:7.2f} ms host   (H200 device time of a 256-sequence decode step: "
+          f"{H200_DECODE_256_MS} ms)")
+    print(f"  prefill step  {prefill_ms:7.2f} ms host   (H200 device time of a 2 x 1024 chunk step: "
+          f"{H200_PREFILL_2048_MS} ms)")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    common.write("engine_host", {"requests": args.requests, "prompt": args.prompt, "new": args.new,
+                                 "step_tokens": args.step_tokens, "seconds": seconds,
+                                 "decode_steps": len(step_times["decode"]), "decode_ms": decode_ms,
+                                 "prefill_steps": len(step_times["prefill"]), "prefill_ms": prefill_ms,
+                                 "h200_decode_256_ms": H200_DECODE_256_MS,
+                                 "h200_prefill_2048_ms": H200_PREFILL_2048_MS})
+
+
+if __name__ == "__main__":
+    main()
