@@ -122,7 +122,8 @@ def device_greedy_rows(executor: Executor) -> Callable[[Output], np.ndarray] | N
 @runtime_checkable
 class StateBytes(Protocol):
     """Optional `state_nbytes(graph, weights)`: the bytes `allocate_state(graph)` would take for a model
-    uploaded as `weights` (the state's element type is the backend's choice, often the model's 16-bit type).
+    uploaded as `weights` (the element types are the backend's choice: Triton keeps K/V in the model's
+    16-bit type and recurrent state in float32).
 
     Default for a backend without it: 4 bytes (float32) a value, as the CPU stores state."""
 

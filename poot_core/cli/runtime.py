@@ -19,8 +19,8 @@ from typing import Any
 
 from poot_core.errors import CapacityError, RequestError
 
-BACKENDS = ("auto", "cpu", "cuda", "ptx", "rocm", "vulkan", "wgpu")
-BACKEND_NAMES = {"ptx": "cuda", "wgpu": "vulkan"}
+BACKENDS = ("auto", "cpu", "cuda", "ptx", "rocm", "vulkan", "wgpu", "opencl", "cl")
+BACKEND_NAMES = {"ptx": "cuda", "wgpu": "vulkan", "cl": "opencl"}
 CPU_STATE_BYTES = 4  # the CPU executor keeps K/V in float32
 MIN_BATCH = 256  # -b by default: a prefill step of at least this many tokens
 

@@ -81,7 +81,7 @@ OPS: dict[str, OpSpec] = {
                          "[.., sum(sizes)]: the ranks' x joined along the last axis, rank r's of width sizes[r]"),
 }
 
-# The ops only hybrid families use, computed so far by the CPU executor alone (the others refuse them by name).
+# The ops only hybrid families use: the CPU and Triton executors compute them; Vulkan and OpenCL refuse them by name.
 HYBRID_OPS = frozenset({"slice", "short_conv", "ssm_scan", "gated_delta", "gated_rms_norm"})
 # The ops only vision-language families use, computed so far by the CPU executor alone.
 VISION_OPS = frozenset({"splice", "group_attention"})
