@@ -157,3 +157,19 @@ def test_unchosen_experts_are_never_read(moe_checkpoint, vulkan, monkeypatch) ->
     control = Driver(handle, vulkan, opts)
     _poison(vulkan.runtime, control, graph, [{min(chosen[0])}] + [set()] * (len(chosen) - 1))
     assert not np.isfinite(control.logits(PROMPT)).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral_gguf"])
+def test_gguf_stacked_experts_match_cpu(moe_checkpoint, vulkan, tmp_path, arch: str) -> None:
+    """GGUF's stacked [E, out, in] Q8_0 experts (helpers.moe.write_gguf): uploaded as stacks, gathered at decode
+    (one token a step) and run expert by expert in a prefill chunk, both against the CPU."""
+    from helpers.moe import write_gguf
+
+    handle = ModelHandle.load(write_gguf(moe_checkpoint(arch), tmp_path, arch))
+    prompt = [int(i) for i in np.random.default_rng(5).integers(3, 250, 8)]
+    ref = Driver(handle, open_executor("cpu"), DriverOptions(capacity=32, prefill_chunk=16)).logits(prompt)
+    driver = Driver(handle, vulkan, DriverOptions(capacity=32, prefill_chunk=1))
+    assert driver.weights.expert_tensors and not driver.weights.stacked
+    for options in (DriverOptions(capacity=32, prefill_chunk=1), DriverOptions(capacity=32, prefill_chunk=8)):
+        ours = Driver(handle, vulkan, options).logits(prompt)
+        assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()

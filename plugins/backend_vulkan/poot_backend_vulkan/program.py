@@ -36,7 +36,7 @@ from .kernels import linear as lin
 from .kernels import moe as moe_kernels
 from .kernels import norms, positional
 from .kernels.runtime import DeviceArray, Runtime, grid_1d, pack_params, shader_source
-from .kernels.weights import DeviceWeight, ExpertStack
+from .kernels.weights import DeviceWeight, ExpertStack, row_range
 from .replay import Emitter, RecordedStep, Recorder, Slot
 from .upload import DeviceWeights
 
@@ -446,13 +446,22 @@ class VulkanProgram:
         if a["act"] not in GATED:
             raise Unsupported(Reason.OPERATION, f"moe {a['act']}", f"the vulkan kernels have {', '.join(GATED)}")
         count = int(a["experts"])
-        if a["stacked"] or count > moe_kernels.MAX_EXPERTS:
-            raise Unsupported(Reason.SHAPE, f"moe with {count} experts, stacked={a['stacked']}",
-                              f"the vulkan backend takes up to {moe_kernels.MAX_EXPERTS} experts as separate matrices")
+        if count > moe_kernels.MAX_EXPERTS:
+            raise Unsupported(Reason.SHAPE, f"moe with {count} experts",
+                              f"the vulkan backend takes up to {moe_kernels.MAX_EXPERTS} experts")
         x, router = self._value(node, 0), self._matrix(node, 1)
         shared = self._optional(node, 3)
         shared_gate = self._matrix(node, 4) if node.inputs[4] else None
-        experts = [tuple(self._matrix(node, 5 + 3 * e + j) for j in range(3)) for e in range(count)]
+        if a["stacked"]:  # GGUF's [E, out, in] tensors, uploaded as stacks; each expert a row range of them
+            found = self.weights.expert_tensors.get(str(node.inputs[5].name))
+            if found is None:
+                self._missing(node, str(node.inputs[5].name), "stacked experts of one kernel format")
+            gu, dn = found
+            f, d = gu.part_rows[0], dn.per_expert
+            experts = [(row_range(gu.weight, 2 * f * e, 2 * f * e + f), row_range(gu.weight, 2 * f * e + f,
+                        2 * f * (e + 1)), row_range(dn.weight, d * e, d * (e + 1))) for e in range(count)]
+        else:
+            experts = [tuple(self._matrix(node, 5 + 3 * e + j) for j in range(3)) for e in range(count)]
         width, inter = router.cols, experts[0][0].rows
         tokens = x.size // width
         top_k, norm, scale = int(a["top_k"]), bool(a["norm_topk"]), float(a["routed_scale"])
@@ -462,7 +471,9 @@ class VulkanProgram:
         ids = self._scratch("ids", (tokens, top_k))
         ids = DeviceArray(ids.buffer, ids.shape, "u32")
         chosen = self._scratch("chosen", (tokens, top_k))
-        stacks = self._expert_stacks(node, count) if tokens * top_k <= count else None
+        stacks = None
+        if tokens * top_k <= count:
+            stacks = found if a["stacked"] else self._expert_stacks(node, count)
         shared_flat = None if shared is None else _view(shared, (tokens, width))
         shared_w = None if shared_gate is None else self._scratch("shared_gate", (tokens, 1))
         if stacks is not None:

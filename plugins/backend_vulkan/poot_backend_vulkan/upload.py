@@ -46,6 +46,8 @@ class DeviceWeights:
     concatenated: dict[tuple[str, ...], DeviceWeight] = field(default_factory=dict)
     # an expert's matrix -> (its stack, the expert, which part of the expert's rows)
     stacked: dict[str, tuple[ExpertStack, int, int]] = field(default_factory=dict)
+    # GGUF's stacked experts: the gate tensor's name ("...experts.gate_exps.weight") -> (gate/up stack, down stack)
+    expert_tensors: dict[str, tuple[ExpertStack, ExpertStack]] = field(default_factory=dict)
 
     def concatenation_of(self, name: str) -> tuple[tuple[str, ...], DeviceWeight] | None:
         for names, weight in self.concatenated.items():
@@ -131,10 +133,44 @@ def _expert_stacks(store: Any, names: list[str]) -> list[list[tuple[str, ...]]]:
     return stacks
 
 
+def _expert_rows(name: str, w: Any) -> tuple[list[np.ndarray], str]:
+    """A stacked [E, out, in] expert tensor as E host matrices in their stored format (GGUF blocks stack by rows)."""
+    experts, rows = int(w.shape[0]), int(w.shape[1])
+    if isinstance(w, PackedWeight):
+        data, fmt = _host_matrix(name, PackedWeight(w.layout, (experts * rows, int(w.shape[2])), w.parts, w.meta))
+    else:
+        data, fmt = _host_dense(w.reshape(experts * rows, -1))
+    data = data.reshape(experts * rows, -1)
+    return [data[e * rows : (e + 1) * rows] for e in range(experts)], fmt
+
+
+def _stacked_experts(runtime: Runtime, store: Any, names: list[str], out: DeviceWeights) -> set[str]:
+    """GGUF's `ffn_{gate,up,down}_exps` ([E, out, in] each) as a gate/up stack and a down stack; returns the
+    names placed. Left out (the program refuses them by name) when a kind is not one the kernels read."""
+    placed: set[str] = set()
+    for name in names:
+        if not name.endswith("experts.gate_exps.weight"):
+            continue
+        trio = [name, name.replace("gate_exps", "up_exps"), name.replace("gate_exps", "down_exps")]
+        ws = [store.get(n) for n in trio if n in names]
+        if len(ws) != 3 or any(len(w.shape) != 3 for w in ws) or len({weight_kind(w) for w in ws}) != 1:
+            continue
+        try:
+            (gate, fmt), (up, _), (down, _) = (_expert_rows(n, w) for n, w in zip(trio, ws, strict=True))
+        except Unsupported:
+            continue
+        gate_up = upload_stack(runtime, [[g, u] for g, u in zip(gate, up, strict=True)], fmt, int(ws[0].shape[2]))
+        down_stack = upload_stack(runtime, [[d] for d in down], fmt, int(ws[2].shape[2]))
+        if gate_up is not None and down_stack is not None:
+            out.expert_tensors[name] = (gate_up, down_stack)
+            placed.update(trio)
+    return placed
+
+
 def upload_store(runtime: Runtime, store: Any) -> DeviceWeights:
     out = DeviceWeights()
     names = list(store.names())
-    grouped: set[str] = set()
+    grouped: set[str] = _stacked_experts(runtime, store, names, out)
     for members in _expert_stacks(store, names):
         first = store.get(members[0][0])
         host = [[_host_matrix(n, store.get(n)) for n in parts] for parts in members]
@@ -168,6 +204,9 @@ def upload_store(runtime: Runtime, store: Any) -> DeviceWeights:
             continue
         w = store.get(name)
         kind = weight_kind(w)
+        if isinstance(w, PackedWeight) and len(w.shape) != 2:
+            out.skipped[name] = f"a {len(w.shape)}-D {kind} tensor {tuple(w.shape)}"
+            continue
         if isinstance(w, PackedWeight):
             data, gguf_type = _host_matrix(name, w)
             out.matrices[name] = upload_weight(runtime, data, gguf_type, (w.shape[0], w.shape[1]))
