@@ -13,8 +13,8 @@ Routes:
 All routes multiply exactly dequantized weights with float32 accumulation; they differ only in summation order.
 With LoadOptions(cpu_activations="q8") (GGUF only) the decode product of every type of Q8_TYPES (all of
 C_TYPES) quantizes each row of x to 8 bits per 32 values and sums integer products (csrc/q8dot.c): llama.cpp's
-arithmetic, not exact (about 1e-2 relative), and so does prefill (poot_gemm_q8: x quantized once per product,
-each row's result bit for bit its decode result).
+arithmetic, not exact (about 1e-2 relative), and so do a serving step's rows (poot_gemm_q8: x quantized once,
+each row's result bit for bit its decode result); prefill stays on the exact panels (faster here, see tiles).
 Dense bf16/f16 weights (dense16_gemv, dense16_tiles) follow the same two routes from their exactly widened
 values. Set POOT_CPU_KERNELS=0 to force the torch route. The C is csrc/quant32.c, kquant.c, kquant_low.c,
 dense16.c, gather.c and q8dot.c, built by poot_core.cpu.c_kernels.
@@ -88,7 +88,7 @@ C_TYPES: dict[str, CKernel] = {
 
 # Decode products with 8-bit activations (LoadOptions(cpu_activations="q8"), marked on the weight as
 # meta["cpu_activations"] == "q8"): csrc/q8dot.c's poot_gemv_q8 and its type ids. Every type of C_TYPES has one,
-# so none keeps the exact route under q8; prefill takes poot_gemm_q8 (the same arithmetic) for all.
+# so none keeps the exact route under q8; prefill (tiles) stays exact for all.
 Q8_TYPES: dict[str, int] = {
     "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "IQ4_NL": 5,
     "Q4_K": 6, "Q5_K": 7, "Q6_K": 8, "IQ4_XS": 9, "Q2_K": 10, "Q3_K": 11,
@@ -113,7 +113,6 @@ class _Plan:
     gemv_address: int
     few: int  # rows per gemv call in poot_gemv_rows: FUSED_MAX_ROWS, or 1 (see CKernel.one_row_route)
     many: Callable[..., None] | None  # CKernel.many, or poot_gemm_q8 where x is quantized to q8
-    q8: bool  # the weight is marked cpu_activations="q8": prefill through poot_gemm_q8 too
     block: int  # values per block
     block_bytes: int
     panels: Callable[..., None]  # csrc/gemm.c's poot_gemm_panels (the exact prefill product)
@@ -139,20 +138,16 @@ class _Plan:
         return y
 
     def tiles(self, flat: torch.Tensor) -> torch.Tensor:
-        """The product of many rows (prefill) in C: under q8, x quantized once and the decode kernel's integer
-        sums (poot_gemm_q8); else panels of W dequantized exactly and float32 FMA sums (poot_gemm_panels)."""
+        """The product of many rows (prefill) in C: panels of W dequantized exactly and float32 FMA sums
+        (poot_gemm_panels), under q8 too: there poot_gemm_q8 (x quantized once, the decode kernel's integer sums)
+        measured slower on the AVX2 machine (it decodes each weight group once per 4 rows, the panels once per
+        call), so it serves only serving steps' rows, which must give their decode bits."""
         flat = flat.contiguous()
         m, n = flat.shape[0], self.out_features
         out = torch.empty(m, n)
-        threads = torch.get_num_threads()
-        if self.q8:
-            assert self.many is not None  # poot_gemm_q8
-            self.many(self.gemv_type, self.address, self.row_bytes, n, self.blocks_per_row, flat.data_ptr(), m,
-                      out.data_ptr(), threads)
-        else:
-            self.panels(self.dequant_address, self.type_id, self.block_type, self.address, self.row_bytes, n,
-                        self.blocks_per_row, self.block, self.block_bytes, flat.data_ptr(), m, out.data_ptr(),
-                        threads)
+        self.panels(self.dequant_address, self.type_id, self.block_type, self.address, self.row_bytes, n,
+                    self.blocks_per_row, self.block, self.block_bytes, flat.data_ptr(), m, out.data_ptr(),
+                    torch.get_num_threads())
         return out
 
 
@@ -173,7 +168,7 @@ def _plan(w: PackedWeight, lib: ctypes.CDLL) -> _Plan:
                      w.shape[1], gemv_type, lib.poot_gemv_rows, ctypes.cast(gemv, ctypes.c_void_p).value or 0,
                      1 if not q8 and _own_row_calls(kind, lib) else FUSED_MAX_ROWS,
                      lib.poot_gemm_q8 if q8 else getattr(lib, kind.many) if kind.many else None,
-                     q8, elements, size, lib.poot_gemm_panels, Q8_TYPES[w.meta["type"]])
+                     elements, size, lib.poot_gemm_panels, Q8_TYPES[w.meta["type"]])
         _plans[w] = plan
     return plan
 

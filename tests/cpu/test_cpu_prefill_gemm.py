@@ -1,4 +1,4 @@
-"""Products of many rows (prefill) in C: the exact panels (csrc/gemm.c) and the q8 route (poot_gemm_q8).
+"""Products of many rows in C: the exact prefill panels (csrc/gemm.c) and q8 serving rows (poot_gemm_q8).
 
 Exact: every block type of C_TYPES and bf16/f16 through poot_gemm_panels, against float64 products of the gguf
 package's dequantization (or torch's exact widening), in the machine's build and the portable one; shapes with
@@ -158,13 +158,19 @@ def test_q8_prefill_is_the_decode_arithmetic(build: str, type_name: str) -> None
     assert (np.abs(y - expect) <= 1e-5 * scale + 1e-30).all(), np.abs(y - expect).max()
 
 
-def test_packed_linear_prefill_under_q8_takes_poot_gemm_q8() -> None:
+def test_q8_serving_rows_take_poot_gemm_q8_and_prefill_stays_exact() -> None:
+    """Under q8, a serving step of 9 rows gives each row its decode bits (poot_gemm_q8), and a prefill product
+    (packed_linear) is the exact panels' product, bit for bit the unmarked weight's."""
     type_name, cols = "Q6_K", 512
     blocks = torch.from_numpy(random_blocks(type_name, ROWS, cols, 6))
     marked = PackedWeight("gguf", (ROWS, cols), {"blocks": blocks}, {"type": type_name, "cpu_activations": "q8"})
+    exact = PackedWeight("gguf", (ROWS, cols), {"blocks": blocks}, {"type": type_name})
     x = torch.randn(9, cols)
-    y = pl.packed_linear(x, marked)
-    product = pl.few_rows_product(marked)
-    assert product is not None
+    serving, decode = pl.few_rows_product(marked, 16), pl.few_rows_product(marked)
+    assert serving is not None and decode is not None
+    y = serving(x)
+    assert y is not None
     for i in range(0, 9, 4):  # the decode route of the same rows: the same bits
-        torch.testing.assert_close(product(x[i : i + 4]), y[i : i + 4], rtol=0, atol=0)
+        torch.testing.assert_close(decode(x[i : i + 4]), y[i : i + 4], rtol=0, atol=0)
+    torch.testing.assert_close(pl.packed_linear(x, marked), pl.packed_linear(x, exact), rtol=0, atol=0)
+    assert (pl.packed_linear(x, marked) - y).abs().max() > 0  # the two routes differ: the test can fail
