@@ -9,32 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from poot_core import (
-    DraftPolicy,
-    Driver,
-    DriverOptions,
-    GenerateRequest,
-    Layout,
-    ModelHandle,
-    RequestError,
-    Sampler,
-    open_executor,
-)
-from poot_core.driver.engine import FinishedEvent
+from helpers.sampling_drivers import PROMPT, prompt_lookup, serve_recorded, solo_and_engine
+from poot_core import GenerateRequest, RequestError, Sampler
 
-PROMPT = [(7 * i + 5) % 200 + 3 for i in range(20)]
 NEW = 16
 
 
 @pytest.fixture(scope="module")
 def drivers(tiny_checkpoint):
-    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    ex = open_executor("cpu")
-    solo = Driver(handle, ex, DriverOptions(capacity=96, prefill_chunk=8)).serve()
-    options = DriverOptions(capacity=96, prefill_chunk=8, block_size=4, step_tokens=48, max_running=4)
-    engine = Driver(handle, ex, options).serve(Layout.PAGED)
-    engine.keep_logits = True
-    return solo, engine
+    return solo_and_engine(tiny_checkpoint("llama", torch.float32))
 
 
 def _reference(logits: np.ndarray, bias: dict[int, float], history: list[int], repetition: float) -> np.ndarray:
@@ -60,11 +43,7 @@ def test_greedy_with_bias_follows_the_formula(drivers, repetition):
     bias = _bias(solo)
     sampler = Sampler(temperature=0.0, logit_bias=bias, repeat_penalty=repetition, repeat_last_n=-1)
     assert not sampler.is_greedy  # the device's argmax of raw logits would ignore the bias
-    rid = engine.submit(GenerateRequest(PROMPT, NEW, sampler, ignore_eos=True))
-    served = None
-    while served is None:
-        served = next((e.generation for e in engine.step() if isinstance(e, FinishedEvent)), None)
-    recorded = engine.logits.pop(rid)
+    served, recorded = serve_recorded(engine, GenerateRequest(PROMPT, NEW, sampler, ignore_eos=True))
     assert len(recorded) == len(served.tokens) == NEW
     history = list(PROMPT)
     for row, token in zip(recorded, served.tokens, strict=True):
@@ -77,8 +56,7 @@ def test_greedy_with_bias_follows_the_formula(drivers, repetition):
 
 def test_speculation_keeps_the_bias(drivers):
     solo, _ = drivers
-    spec = Driver(solo.handle, solo.executor, DriverOptions(capacity=96, prefill_chunk=8,
-                                                            draft=DraftPolicy.PromptLookup(k=4))).serve()
+    spec = prompt_lookup(solo)
     prompt = PROMPT[:6] * 4
     sampler = Sampler(temperature=0.0, logit_bias={PROMPT[0]: -3.0, 42: 2.0})
     want = solo.generate(GenerateRequest(prompt, NEW, sampler, ignore_eos=True))

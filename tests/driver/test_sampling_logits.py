@@ -9,34 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from poot_core import (
-    DraftPolicy,
-    Driver,
-    DriverOptions,
-    GenerateRequest,
-    Layout,
-    ModelHandle,
-    RequestError,
-    Sampler,
-    open_executor,
-)
-from poot_core.driver.engine import FinishedEvent
+from helpers.sampling_drivers import PROMPT, prompt_lookup, serve_recorded, solo_and_engine
+from poot_core import GenerateRequest, RequestError, Sampler
 from poot_core.driver.sampling import token_logprobs
 
-PROMPT = [(7 * i + 5) % 200 + 3 for i in range(20)]
 NEW = 24
 LOGIT_BOUND = 1e-4  # float32 logits: paged or decode steps against a full prefill
 
 
 @pytest.fixture(scope="module")
 def drivers(tiny_checkpoint):
-    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    ex = open_executor("cpu")
-    solo = Driver(handle, ex, DriverOptions(capacity=96, prefill_chunk=8)).serve()
-    options = DriverOptions(capacity=96, prefill_chunk=8, block_size=4, step_tokens=48, max_running=4)
-    engine = Driver(handle, ex, options).serve(Layout.PAGED)
-    engine.keep_logits = True
-    return solo, engine
+    return solo_and_engine(tiny_checkpoint("llama", torch.float32))
 
 
 def _reference_logits(logits, history, prompt_len, presence, frequency, repetition):
@@ -63,11 +46,7 @@ def test_penalties_follow_the_openai_formula(drivers, presence, frequency, repet
     sampler = Sampler(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
                       repeat_penalty=repetition, repeat_last_n=-1)
     request = GenerateRequest(PROMPT, NEW, sampler, ignore_eos=True)
-    rid = engine.submit(request)
-    served = None
-    while served is None:
-        served = next((e.generation for e in engine.step() if isinstance(e, FinishedEvent)), None)
-    recorded = engine.logits.pop(rid)
+    served, recorded = serve_recorded(engine, request)
     assert len(recorded) == len(served.tokens) == NEW
     history = list(PROMPT)
     for row, token in zip(recorded, served.tokens, strict=True):
@@ -137,8 +116,7 @@ def test_speculation_keeps_penalties_and_logprobs(drivers):
     """Prompt lookup on a repetitive prompt: verify steps run, and greedy tokens with penalties and their
     log-probabilities equal plain decoding's."""
     solo, _ = drivers
-    spec = Driver(solo.handle, solo.executor, DriverOptions(capacity=96, prefill_chunk=8,
-                                                            draft=DraftPolicy.PromptLookup(k=4))).serve()
+    spec = prompt_lookup(solo)
     prompt = PROMPT[:6] * 4
     sampler = Sampler(temperature=0.0, presence_penalty=0.3, frequency_penalty=0.2)
     want = solo.generate(GenerateRequest(prompt, NEW, sampler, ignore_eos=True, logprobs=3))
