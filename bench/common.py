@@ -3,6 +3,7 @@ and writing results as JSON; the model shapes they build."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -167,6 +168,55 @@ def synced_ms(fn: Any, reps: int = 20, warmup: int = 3) -> float:
 
 def log(*args: Any) -> None:
     print(*args, flush=True)
+
+
+def decode_args(doc: str) -> argparse.Namespace:
+    """The batch-1 decode benchmarks' command line (vulkan_decode, opencl_decode); --smoke caps the tokens at 4."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default=None, help="comma-separated, all when left out")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: checks the script")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--no-cuda", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompt, args.new = min(args.prompt, 4), min(args.new, 4)
+    return args
+
+
+def decode_bandwidth() -> tuple[float, str]:
+    """The copy bandwidth the decode benchmarks measure against, and how it was measured (logged)."""
+    if torch.cuda.is_available():
+        from gpu_decode import copy_bandwidth as device_copy_bandwidth
+
+        bandwidth, how = device_copy_bandwidth() * 1e9, "torch device-to-device copy"
+    else:
+        bandwidth, how = copy_bandwidth(), "torch host memory copy"
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
+    return bandwidth, how
+
+
+def decode_payload(args: argparse.Namespace, bandwidth: float, how: str) -> dict[str, Any]:
+    """The head of a decode benchmark's result file; the caller fills "models"."""
+    payload: dict[str, Any] = {
+        "copy_GBps": bandwidth / 1e9,
+        "copy_how": how,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+        "weights": "random bf16, N(0, 0.02), or GGUF blocks with scales 0.001, seed 0, the same for every backend",
+        "smoke": args.smoke,
+        "models": {},
+    }
+    if torch.cuda.is_available():
+        payload["device"] = torch.cuda.get_device_name()
+    return payload
+
+
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy replies share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 class DeviceStore:

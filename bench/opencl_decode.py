@@ -15,7 +15,6 @@ bandwidth in bf16. The CUDA backend runs in the same process when CUDA is presen
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -53,30 +52,11 @@ def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: checks the script")
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--no-cuda", action="store_true")
-    args = parser.parse_args()
-    if args.smoke:
-        args.prompt, args.new = min(args.prompt, 4), min(args.new, 4)
+    args = common.decode_args(__doc__)
+    args.models = args.models or ",".join(MODELS)
     cuda = torch.cuda.is_available() and not args.no_cuda
-    if torch.cuda.is_available():
-        bandwidth, how = vulkan_decode.gpu_copy_bandwidth(), "torch device-to-device copy"
-    else:
-        bandwidth, how = common.copy_bandwidth(), "torch host memory copy"
-    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
-    payload: dict[str, Any] = {
-        "copy_GBps": bandwidth / 1e9, "copy_how": how, "prompt": args.prompt, "new_tokens": args.new,
-        "weights": "random bf16, N(0, 0.02), or GGUF blocks with scales 0.001, seed 0, the same for every backend",
-        "smoke": args.smoke, "models": {},
-    }
-    if torch.cuda.is_available():
-        payload["device"] = torch.cuda.get_device_name()
+    bandwidth, how = common.decode_bandwidth()
+    payload = common.decode_payload(args, bandwidth, how)
     for key in args.models.split(","):
         base, kind = MODELS[key]
         hf = dict(base)
@@ -98,8 +78,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if "tokens" in entry.get("opencl", {}) and "tokens" in entry.get("cuda", {}):
             a, b = entry["opencl"]["tokens"], entry["cuda"]["tokens"]
-            entry["greedy_tokens_equal_prefix"] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True))
-                                                        if x != y), len(a))
+            entry["greedy_tokens_equal_prefix"] = common.equal_prefix(a, b)
         payload["models"][key] = entry
     if args.out:
         args.out.write_text(json.dumps(payload, indent=1))

@@ -18,7 +18,6 @@ past the L2) so the step time can be split into matmul and the rest.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -79,13 +78,6 @@ def gguf_blocks(type_name: str, shape: tuple[int, ...], gen: torch.Generator, de
     for at in HALF_FIELDS[type_name]:
         b[:, :, at : at + 2] = scale
     return PackedWeight("gguf", (rows, cols), {"blocks": b.reshape(rows, -1)}, {"type": type_name})
-
-
-def gpu_copy_bandwidth() -> float:
-    """Bytes read plus written per second of a 2 GiB device-to-device copy through torch (CUDA events)."""
-    from gpu_decode import copy_bandwidth
-
-    return copy_bandwidth() * 1e9
 
 
 def step_bytes(hf: dict[str, Any], weight_bytes: int, prompt: int, new: int) -> float:
@@ -284,37 +276,11 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens: checks the script")
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--no-cuda", action="store_true")
-    args = parser.parse_args()
-    if args.smoke:
-        args.prompt, args.new = min(args.prompt, 4), min(args.new, 4)
-
+    args = common.decode_args(__doc__)
+    args.models = args.models or ",".join(MODELS)
     cuda = torch.cuda.is_available() and not args.no_cuda
-    if torch.cuda.is_available():
-        bandwidth, how = gpu_copy_bandwidth(), "torch device-to-device copy"
-    else:
-        from common import copy_bandwidth
-
-        bandwidth, how = copy_bandwidth(), "torch host memory copy"
-    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s ({how})")
-    payload: dict[str, Any] = {
-        "copy_GBps": bandwidth / 1e9,
-        "copy_how": how,
-        "prompt": args.prompt,
-        "new_tokens": args.new,
-        "weights": "random bf16, N(0, 0.02), or GGUF blocks with scales 0.001, seed 0, the same for every backend",
-        "smoke": args.smoke,
-        "models": {},
-    }
-    if torch.cuda.is_available():
-        payload["device"] = torch.cuda.get_device_name()
+    bandwidth, how = common.decode_bandwidth()
+    payload = common.decode_payload(args, bandwidth, how)
     for key in args.models.split(","):
         base, kind = MODELS[key]
         hf = dict(base)
@@ -338,8 +304,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if "tokens" in entry.get("vulkan", {}) and "tokens" in entry.get("cuda", {}):
             a, b = entry["vulkan"]["tokens"], entry["cuda"]["tokens"]
-            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-            entry["greedy_tokens_equal_prefix"] = same
+            entry["greedy_tokens_equal_prefix"] = common.equal_prefix(a, b)
         if key == "llama8b" and not args.smoke:
             entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
         payload["models"][key] = entry
