@@ -18,6 +18,7 @@ from poot_backend_opencl.plugin import hardware_probe
 from helpers import gguf_models, smollm
 from helpers import moe as moe_helpers
 from helpers.graphs import trace
+from helpers.refusals import check_rows_and_op_refused
 from poot_core import (
     Driver,
     DriverOptions,
@@ -140,17 +141,7 @@ def test_greedy_picks_on_the_device_match_numpy(tiny_checkpoint, opencl):
 
 
 def test_refuses_rows_above_one_and_missing_ops_by_name(tiny_checkpoint, opencl):
-    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    weights = opencl.upload(handle.store())
-    with pytest.raises(Unsupported) as err:
-        opencl.prepare(trace(handle, StepShape(2, 1, 64)), weights)
-    assert err.value.reason is Reason.SHAPE and "rows=2" in str(err.value)
-    graph = trace(handle, StepShape(1, 1, 64))
-    node = graph.nodes[3]
-    graph.nodes[3] = type(node)("group_attention", node.inputs, node.output, node.shape)
-    with pytest.raises(Unsupported) as err:
-        opencl.prepare(graph, weights)
-    assert err.value.reason is Reason.OPERATION and "group_attention" in str(err.value)
+    check_rows_and_op_refused(opencl, tiny_checkpoint("llama", torch.float32), "group_attention")
 
 
 def test_latent_attention_family_is_refused_by_name(moe_checkpoint, opencl):

@@ -21,6 +21,7 @@ except ImportError:
 from helpers import smollm
 from helpers.gguf_edit import finish_gguf
 from helpers.graphs import trace
+from helpers.refusals import check_rows_and_op_refused
 from poot_core import (
     Driver,
     DriverOptions,
@@ -104,17 +105,7 @@ def test_yarn_rope_matches_cpu(tiny_checkpoint, vulkan, tmp_path):
 
 
 def test_refuses_rows_above_one_and_unknown_ops(tiny_checkpoint, vulkan):
-    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    weights = vulkan.upload(handle.store())
-    with pytest.raises(Unsupported) as err:
-        vulkan.prepare(trace(handle, StepShape(2, 1, 64)), weights)
-    assert err.value.reason is Reason.SHAPE and "rows=2" in str(err.value)
-    graph = trace(handle, StepShape(1, 1, 64))
-    node = graph.nodes[3]
-    graph.nodes[3] = type(node)("mla_attention", node.inputs, node.output, node.shape)
-    with pytest.raises(Unsupported) as err:
-        vulkan.prepare(graph, weights)
-    assert err.value.reason is Reason.OPERATION and "mla_attention" in str(err.value)
+    check_rows_and_op_refused(vulkan, tiny_checkpoint("llama", torch.float32), "mla_attention")
 
 
 def test_moe_with_sigmoid_routing_is_refused_by_name(moe_checkpoint, vulkan):
