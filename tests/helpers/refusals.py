@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.graphs import trace
-from poot_core import ModelHandle, Reason, StepShape, Unsupported
+from poot_core import ModelHandle, PackedWeight, Reason, StepShape, Unsupported
 
 
 def check_rows_and_op_refused(executor, checkpoint: Path, op: str) -> None:
@@ -24,3 +25,20 @@ def check_rows_and_op_refused(executor, checkpoint: Path, op: str) -> None:
     with pytest.raises(Unsupported) as err:
         executor.prepare(graph, weights)
     assert err.value.reason is Reason.OPERATION and op in str(err.value)
+
+
+def check_gptq_upload_refused(executor) -> None:
+    """Uploading a GPTQ 4-bit weight is refused as a quantization, naming the format and the tensor."""
+
+    class Store:
+        def names(self):
+            return ["layer.weight"]
+
+        def get(self, name):
+            parts = {"qweight": torch.zeros(8, 64, dtype=torch.int32)}
+            return PackedWeight("gptq", (64, 64), parts, {"bits": 4, "group_size": 32})
+
+    with pytest.raises(Unsupported) as err:
+        executor.upload(Store())
+    assert err.value.reason is Reason.QUANTIZATION
+    assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)

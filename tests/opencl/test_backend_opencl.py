@@ -18,13 +18,12 @@ from poot_backend_opencl.plugin import hardware_probe
 from helpers import gguf_models, smollm
 from helpers import moe as moe_helpers
 from helpers.graphs import trace
-from helpers.refusals import check_rows_and_op_refused
+from helpers.refusals import check_gptq_upload_refused, check_rows_and_op_refused
 from poot_core import (
     Driver,
     DriverOptions,
     GenerateRequest,
     ModelHandle,
-    PackedWeight,
     Reason,
     StepShape,
     Unsupported,
@@ -166,18 +165,7 @@ def test_refuses_heads_larger_than_the_device_holds(tiny_checkpoint, opencl, mon
 
 
 def test_refuses_unsupported_quantization_naming_the_tensor(opencl):
-    class Store:
-        def names(self):
-            return ["layer.weight"]
-
-        def get(self, name):
-            parts = {"qweight": torch.zeros(8, 64, dtype=torch.int32)}
-            return PackedWeight("gptq", (64, 64), parts, {"bits": 4, "group_size": 32})
-
-    with pytest.raises(Unsupported) as err:
-        opencl.upload(Store())
-    assert err.value.reason is Reason.QUANTIZATION
-    assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
+    check_gptq_upload_refused(opencl)
 
 
 # -- the command line ------------------------------------------------------------------------------------

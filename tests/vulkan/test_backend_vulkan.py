@@ -21,13 +21,12 @@ except ImportError:
 from helpers import smollm
 from helpers.gguf_edit import finish_gguf
 from helpers.graphs import trace
-from helpers.refusals import check_rows_and_op_refused
+from helpers.refusals import check_gptq_upload_refused, check_rows_and_op_refused
 from poot_core import (
     Driver,
     DriverOptions,
     GenerateRequest,
     ModelHandle,
-    PackedWeight,
     Reason,
     StepShape,
     Unsupported,
@@ -132,18 +131,7 @@ def test_refuses_erf_gelu_by_name(tiny_checkpoint, vulkan):
 
 
 def test_refuses_unsupported_quantization_naming_the_tensor(vulkan):
-    class Store:
-        def names(self):
-            return ["layer.weight"]
-
-        def get(self, name):
-            parts = {"qweight": torch.zeros(8, 64, dtype=torch.int32)}
-            return PackedWeight("gptq", (64, 64), parts, {"bits": 4, "group_size": 32})
-
-    with pytest.raises(Unsupported) as err:
-        vulkan.upload(Store())
-    assert err.value.reason is Reason.QUANTIZATION
-    assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
+    check_gptq_upload_refused(vulkan)
 
 
 # -- GGUF -------------------------------------------------------------------------------------------------
