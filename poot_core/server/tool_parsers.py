@@ -64,8 +64,8 @@ def parse(fmt: str, text: str, tools: Sequence[Mapping[str, Any]] | None) -> Cal
             return _llama3_json(text, set(_tool_functions(tools)))
         if fmt == "pythonic":
             return _pythonic(text)
-    except (ValueError, TypeError, RecursionError, MemoryError, RequestError):
-        return text, []
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, RequestError):
+        return text, []  # SyntaxError: a pythonic reply that is not Python
     raise RequestError(f"unknown tool-call parser {fmt!r}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from poot_core import RequestError
@@ -134,6 +134,7 @@ REPLIES = st.lists(st.sampled_from(PIECES) | st.text(max_size=4), max_size=30).m
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(tool_parsers.NAMES), text=REPLIES, size=st.integers(1, 7))
+@example(fmt="pythonic", text="[TOOL_CALLS]]", size=1)  # found by this test in CI: not Python, a SyntaxError
 def test_malformed_replies_never_raise(fmt, text, size):
     content, calls = tool_parsers.parse(fmt, text, TOOLS)
     if not calls:
