@@ -41,7 +41,7 @@ lint: test-setup
 	$(BIN)/ruff check .
 
 test: test-setup lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests  # the slowest 25, to keep the suite short
 
 # On a machine with an NVIDIA GPU and its own torch/triton (the lent H200 has no internet): install the
 # repository over the machine's packages and run the GPU tests.
