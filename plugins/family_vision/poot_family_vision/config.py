@@ -45,14 +45,16 @@ class VisionParams:
 @dataclass
 class VisionLanguageParams:
     text: DecoderParams
-    vision: VisionParams
+    vision: VisionParams  # Qwen2.5-VL: poot_family_vision.qwen25vl.QwenVisionParams
     image_token_id: int
-    kind: str = "idefics3"  # "gemma3": average pooling, soft-embedding norm, bidirectional attention in an image
+    # "gemma3": average pooling, soft-embedding norm, bidirectional attention in an image; "qwen2_5_vl"
+    kind: str = "idefics3"
     # where a checkpoint may keep the text model's `model.` weights (the first that holds them is read)
     text_prefixes: tuple[str, ...] = ("model.text_model.",)
     boi_token_id: int | None = None  # Gemma 3's start and end of an image
     eoi_token_id: int | None = None
     soft_norm_offset: float = 1.0  # Gemma 3's soft-embedding norm: (1 + w); llama.cpp's mmproj stores 1 + w (0.0)
+    mrope_sections: tuple[int, ...] | None = None  # Qwen2.5-VL's M-RoPE (temporal, height, width frequency slots)
 
 
 def vision_params(vc: dict[str, Any], scale_factor: int, family: str = "Idefics3") -> VisionParams:

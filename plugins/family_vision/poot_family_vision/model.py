@@ -71,9 +71,15 @@ def first_prefix(t: Tracer, prefixes: tuple[str, ...], probe: str) -> str:
     return next((p for p in prefixes if t.has_weight(p + probe)), prefixes[-1])
 
 
-def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0, groups: bool = False) -> None:
+def trace_text(cfg: ModelConfig, t: Tracer, images: int = 0, groups: bool = False, mrope: bool = False) -> None:
+    """mrope: every rope is Qwen2.5-VL's M-RoPE over its own position inputs (qwen25vl.MropeText); without it a
+    Qwen2.5-VL text model ropes by the plain positions, which M-RoPE equals for text alone."""
     p: VisionLanguageParams = cfg.params
-    text = TextTracer(t, images, p.text_prefixes, groups)
+    text: Any = TextTracer(t, images, p.text_prefixes, groups)
+    if mrope and p.mrope_sections:
+        from poot_family_vision.qwen25vl import MropeText
+
+        text = MropeText(text, p.mrope_sections, p.text.head_dim)
     trace_dense_decoder(replace(cfg, params=p.text), text)  # type: ignore[arg-type]
 
 

@@ -8,6 +8,7 @@ from poot_core import DerivedWeight, Family, ModelConfig, StepShape, StoredWeigh
 from poot_family_vision.config import model_config
 from poot_family_vision.gemma3 import gemma3_config, projection_weight
 from poot_family_vision.model import trace_text
+from poot_family_vision.qwen25vl import qwen25vl_config
 
 
 class Idefics3(Family):
@@ -35,11 +36,23 @@ class Gemma3(Family):
         trace_text(config, t)
 
 
+class Qwen25VL(Family):
+    """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration). Traced by the driver it is the Qwen2 text model alone,
+    whose M-RoPE is the plain rope for text; images go through poot_family_vision.runtime.VisionLanguageModel."""
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        return qwen25vl_config(self.name, hf)
+
+    def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
+        trace_text(config, t)
+
+
 FAMILIES = [
     Idefics3("idefics3", "idefics3", ("Idefics3ForConditionalGeneration", "idefics3")),
     Idefics3("smolvlm", "smolvlm", ("SmolVLMForConditionalGeneration", "smolvlm")),
     # model_type "gemma3" is the llama family's (Gemma 3 GGUF files name their architecture so)
     Gemma3("gemma3-vision", "gemma3", ("Gemma3ForConditionalGeneration",)),
+    Qwen25VL("qwen2_5_vl", "qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")),
 ]
 
 
@@ -48,4 +61,4 @@ def poot_register_families() -> list[Family]:
     return list(FAMILIES)
 
 
-__all__ = ["FAMILIES", "Gemma3", "Idefics3"]
+__all__ = ["FAMILIES", "Gemma3", "Idefics3", "Qwen25VL"]

@@ -21,8 +21,8 @@ from poot_family_vision.config import VisionLanguageParams
 from poot_family_vision.gemma3 import image_groups
 from poot_family_vision.kinds import images_of
 from poot_family_vision.messages import expand_images, split_images
-from poot_family_vision.model import trace_text, vision_shape
-from poot_family_vision.preprocess import load_image, patches
+from poot_family_vision.model import trace_text
+from poot_family_vision.preprocess import load_image
 
 
 class VisionLanguageModel:
@@ -67,13 +67,12 @@ class VisionLanguageModel:
     def pixel_values(self, images: Sequence[object]) -> np.ndarray:
         return self.frames(images)[0]
 
-    def encode_images(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the tower's last hidden state [N, P, Dv], the image features [N, tokens per image, Dt])."""
-        vp, n = self.params.vision, int(pixels.shape[0])
-        prog, _ = self._program(vision_shape(vp, n), lambda t: self.kind.trace(t, n))
-        inputs = {"patches": patches(pixels, vp.patch),
-                  "patch_positions": np.broadcast_to(np.arange(vp.patches), (n, vp.patches)).astype(np.int64),
-                  "mask": np.ones((n, vp.patches), dtype=np.int64)} | self.kind.inputs(n)
+    def encode_images(self, pixels: np.ndarray, layouts: Sequence[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(the tower's last hidden state, the image features [.., Dt]): Idefics3 / Gemma 3 [N, P, Dv] and
+        [N, tokens per image, Dt] of frames [N, 3, S, S]; Qwen2.5-VL [1, L, Dv] in window order and [L / 4, Dt]
+        of patches [L, 1176] with each image's grid (t, h, w) in `layouts`."""
+        shape, trace, inputs = self.kind.vision_step(pixels, layouts)
+        prog, _ = self._program(shape, trace)
         hidden, features = prog.run({}, inputs)
         return self.executor.to_numpy(hidden), self.executor.to_numpy(features)
 
@@ -83,11 +82,12 @@ class VisionLanguageModel:
         flat = np.zeros((0, self.config.hidden_size), np.float32) if features is None else \
             features.reshape(-1, features.shape[-1]).astype(np.float32)
         if len(at) != len(flat):
-            raise RequestError(f"the prompt has {len(at)} image tokens for {len(flat)} image features "
-                               f"({self.params.vision.tokens_per_image} per image)")
+            raise RequestError(f"the prompt has {len(at)} image tokens for {len(flat)} image features")
         return at, flat
 
-    def _prefill(self, tokens: list[int], features: np.ndarray | None, all_logits: bool) -> tuple[object, object]:
+    def _prefill(self, tokens: list[int], features: np.ndarray | None, all_logits: bool,
+                 layouts: Sequence[Any] | None = None) -> tuple[object, object, int]:
+        """(the step's logits, the KV state, the offset of later tokens' rope positions)."""
         if not tokens or len(tokens) > self.capacity:
             raise RequestError(f"a prompt of {len(tokens)} tokens does not fit the capacity of {self.capacity}")
         image_id = self.params.image_token_id
@@ -97,7 +97,8 @@ class VisionLanguageModel:
         at, flat = self._image_rows(tokens, features)
         groups = bool(len(at)) and self.kind.bidirectional
         shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
-        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups))
+        mrope = self.kind.mrope
+        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope))
         state = self.executor.allocate_state(graph)
         # an image token outside the vocabulary embeds as 0 before its features replace it (as transformers does)
         ids = [0 if t == image_id and t >= self.config.vocab_size else t for t in tokens]
@@ -106,18 +107,22 @@ class VisionLanguageModel:
             inputs |= {"image_features": flat, "image_index": at}
         if groups:
             inputs["groups"] = image_groups(tokens, image_id)
-        return prog.run(state, inputs)[0], state
+        extra, delta = self.kind.prompt_inputs(tokens, layouts)
+        return prog.run(state, inputs | extra)[0], state, delta
 
-    def logits(self, tokens: list[int], images: Sequence[object] = (), pixels: np.ndarray | None = None) -> np.ndarray:
-        """float32 [positions, vocab]: the logits after every position of the prompt."""
-        features = self._features(images, pixels)
-        out, _ = self._prefill(tokens, features, all_logits=True)
+    def logits(self, tokens: list[int], images: Sequence[object] = (), pixels: np.ndarray | None = None,
+               layouts: Sequence[Any] | None = None) -> np.ndarray:
+        """float32 [positions, vocab]: the logits after every position of the prompt (`pixels` with their
+        `layouts`, Qwen2.5-VL's grids, instead of `images`)."""
+        features, layouts = self._features(images, pixels, layouts)
+        out, _, _ = self._prefill(tokens, features, True, layouts)
         return self.executor.to_numpy(out)[0]
 
-    def _features(self, images: Sequence[object], pixels: np.ndarray | None) -> np.ndarray | None:
+    def _features(self, images: Sequence[object], pixels: np.ndarray | None,
+                  layouts: Sequence[Any] | None) -> tuple[np.ndarray | None, Sequence[Any] | None]:
         if pixels is None and images:
-            pixels = self.pixel_values(images)
-        return None if pixels is None else self.encode_images(pixels)[1]
+            pixels, layouts = self.frames(images)
+        return (None if pixels is None else self.encode_images(pixels, layouts)[1]), layouts
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Image.Image]]:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
@@ -134,10 +139,13 @@ class VisionLanguageModel:
         return ids, self.handle.text().decode(ids, skip_special=True)
 
     def generate(self, tokens: list[int], images: Sequence[object] = (), max_new: int = 32,
-                 pixels: np.ndarray | None = None, ignore_eos: bool = False) -> list[int]:
+                 pixels: np.ndarray | None = None, ignore_eos: bool = False,
+                 layouts: Sequence[Any] | None = None) -> list[int]:
         """Greedy continuation of the prompt."""
-        out, state = self._prefill(tokens, self._features(images, pixels), all_logits=False)
-        step, _ = self._program(StepShape(1, 1, self.capacity), lambda t: trace_text(self.config, t))
+        features, layouts = self._features(images, pixels, layouts)
+        out, state, delta = self._prefill(tokens, features, False, layouts)
+        mrope = self.kind.mrope
+        step, _ = self._program(StepShape(1, 1, self.capacity), lambda t: trace_text(self.config, t, mrope=mrope))
         new: list[int] = []
         position = len(tokens)
         while len(new) < max_new and position < self.capacity:
@@ -146,6 +154,7 @@ class VisionLanguageModel:
             if token in self.config.eos_ids and not ignore_eos:
                 break
             out = step.run(state, {"tokens": np.asarray([[token]], np.int64),
-                                   "positions": np.asarray([[position]], np.int64)})[0]
+                                   "positions": np.asarray([[position]], np.int64)}
+                           | self.kind.step_inputs(position, delta))[0]
             position += 1
         return new

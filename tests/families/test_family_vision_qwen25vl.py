@@ -1,0 +1,251 @@
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) against transformers on tiny random checkpoints and
+Pillow-made images of three sizes and aspect ratios (one shrunk by max_pixels): pixel values and grids equal
+the Qwen2-VL (Pillow) image processor's, the vision tower (window attention in 2 x 2 windows of merged tokens,
+one full-attention layer) and the merger match the float32 forward, the whole prompt's logits with M-RoPE match
+(f32 1e-4, bf16 2e-2), greedy tokens equal generate's, a text-only prompt matches through the driver, chat
+prompts and `poot caption` equal the processor's and generate's, and a corrupt image is a RequestError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from poot_family_vision.runtime import VisionLanguageModel
+
+from helpers import tiny, vision
+from poot_core import Driver, DriverOptions, ModelHandle, RequestError, open_executor
+
+VISION_START, VISION_END, IMAGE_TOKEN = 290, 291, 292  # the checkpoints built by id (vocabulary 300)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16
+# wide (2 x 3 merged tokens: windows of 4 and 2), tall (4 x 1), large (shrunk to at most 16 merged tokens)
+IMAGES = [*vision.IMAGES, vision.image(300, 180, 4)]
+
+# Qwen2.5-VL's template, cut to what an image chat needs
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif item['type'] == 'text' %}{{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def config(vocab: int = 300, start: int = VISION_START, end: int = VISION_END,
+           image: int = IMAGE_TOKEN) -> tf.Qwen2_5_VLConfig:
+    text = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vis = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 14,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+           "out_hidden_size": 64, "hidden_act": "silu"}
+    return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vis, image_token_id=image,
+                               vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+
+
+def build(cfg: tf.Qwen2_5_VLConfig, seed: int) -> Any:
+    torch.manual_seed(0)
+    m = tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    tiny._randomize(m, seed=seed)
+    with torch.no_grad():
+        m.model.visual.merger.ln_q.weight.add_(1.0)  # a norm whose name says none
+    return m
+
+
+def processor() -> Any:
+    return tf.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen25vl")
+    model = build(config(), seed=3)
+    model.save_pretrained(path)
+    tiny.save_tokenizer(path)
+    processor().save_pretrained(path)
+    return path, model
+
+
+def _reference(images) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    out = processor()(images=images, return_tensors="pt")
+    return out["pixel_values"].numpy(), [tuple(g) for g in out["image_grid_thw"].tolist()]
+
+
+def _prompt(grids) -> list[int]:
+    ids = [0, 17, 33, 48]
+    for t, h, w in grids:
+        ids += [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END, 55]
+    return ids + [60, 71, 5]
+
+
+def _reference_logits(model, tokens, pixels, grids) -> torch.Tensor:
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=torch.from_numpy(pixels).to(model.dtype),
+                     image_grid_thw=torch.tensor(grids), mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                     ).logits[0].float()
+
+
+def test_pixel_values_equal_the_processor(checkpoint):
+    path, _ = checkpoint
+    ours, grids = VisionLanguageModel.load(path).frames(IMAGES)
+    ref, ref_grids = _reference(IMAGES)
+    assert grids == ref_grids == [(1, 4, 6), (1, 8, 2), (1, 6, 10)]
+    assert ours.shape == ref.shape == (24 + 16 + 60, 3 * 2 * 14 * 14)
+    assert np.array_equal(ours, ref)
+
+
+def test_vision_tower_and_merger_match(checkpoint):
+    path, model = checkpoint
+    pixels, grids = _reference(IMAGES)
+    hidden, features = VisionLanguageModel.load(path).encode_images(pixels, grids)
+    visual = model.model.visual
+    with torch.no_grad():
+        ref = visual(torch.from_numpy(pixels), grid_thw=torch.tensor(grids))
+        assert features.shape == (100 // 4, 64)
+        assert tiny.rel_error(hidden[0], ref.last_hidden_state) <= 1e-4
+        assert tiny.rel_error(features, ref.pooler_output) <= 1e-4
+        # the windows matter: every layer attending over the whole image gives other features
+        visual.fullatt_block_indexes = [0, 1]
+        try:
+            everywhere = visual(torch.from_numpy(pixels), grid_thw=torch.tensor(grids)).pooler_output
+        finally:
+            visual.fullatt_block_indexes = [1]
+    assert tiny.rel_error(features, everywhere) > 1e-2
+
+
+def test_prompt_logits_match(checkpoint):
+    path, model = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    images = IMAGES[:2]
+    pixels, grids = _reference(images)
+    tokens = _prompt(grids)
+    ours = vlm.logits(tokens, images)
+    ref = _reference_logits(model, tokens, pixels, grids)
+    assert tiny.rel_error(ours, ref) <= 1e-4
+    # the comparison can fail: plain positions (transformers without mm_token_type_ids) give other logits
+    with torch.no_grad():
+        plain = model(input_ids=torch.tensor([tokens]), pixel_values=torch.from_numpy(pixels),
+                      image_grid_thw=torch.tensor(grids)).logits[0]
+    assert tiny.rel_error(ours, plain) > 1e-3
+
+
+def test_greedy_tokens_match(checkpoint):
+    path, model = checkpoint
+    pixels, grids = _reference(IMAGES[2:])
+    tokens = _prompt(grids)
+    ours = VisionLanguageModel.load(path).generate(tokens, IMAGES[2:], max_new=8, ignore_eos=True)
+    ids = torch.tensor([tokens])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.from_numpy(pixels),
+                         image_grid_thw=torch.tensor(grids), mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                         max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=8)
+    assert ours == out[0, len(tokens):].tolist()
+
+
+def test_text_only_prompt(checkpoint):
+    """Without images M-RoPE is the plain rope: the driver's chunked prefill and the runtime's prompt give
+    transformers' logits."""
+    path, model = checkpoint
+    tokens = [0, 17, 33, 48, 60, 71, 5, 9, 12, 40]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens])).logits[0]
+    driver = Driver(ModelHandle.load(path), open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=4))
+    assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
+    assert tiny.rel_error(VisionLanguageModel.load(path).logits(tokens), ref) <= 1e-4
+
+
+def test_bf16_checkpoint_logits(tmp_path):
+    model = build(config(), seed=4).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    tiny.save_tokenizer(tmp_path)
+    processor().save_pretrained(tmp_path)
+    vlm = VisionLanguageModel.load(tmp_path)
+    assert vlm.weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+    images = IMAGES[:2]
+    pixels, grids = _reference(images)
+    tokens = _prompt(grids)
+    ours = vlm.logits(tokens, images)
+    wide = type(model).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert tiny.rel_error(ours, _reference_logits(wide, tokens, pixels, grids)) <= 1e-4
+    assert tiny.rel_error(ours, _reference_logits(model, tokens, pixels, grids)) <= 2e-2
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen25vl-chat")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tiny.train_tokenizer(320), bos_token="<|bos|>",
+                                      eos_token="<|eos|>", chat_template=QWEN_TEMPLATE)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                                          "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
+    ids = fast.convert_tokens_to_ids
+    model = build(config(vocab=len(fast), start=ids("<|vision_start|>"), end=ids("<|vision_end|>"),
+                         image=ids("<|image_pad|>")), seed=5)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    processor().save_pretrained(path)
+    # without torchvision there is no video processor, whose class the processor would check; images need none
+    with mock.patch.object(tf.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        full = tf.Qwen2_5_VLProcessor(image_processor=processor(), tokenizer=fast, chat_template=QWEN_TEMPLATE,
+                                      video_processor=None)
+    return path, model, full
+
+
+def _chat_reference(model, full, content: list[dict[str, Any]], images, new: int) -> tuple[Any, list[int]]:
+    text = full.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    ref = full(text=[text], images=images, return_tensors="pt")
+    out = model.generate(**ref, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         min_new_tokens=new)
+    return ref, out[0, ref["input_ids"].shape[1]:].tolist()
+
+
+def test_chat_with_images_matches_the_processor(chat_checkpoint, tmp_path):
+    path, model, full = chat_checkpoint
+    file = tmp_path / "tall.png"
+    IMAGES[1].save(file)
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": IMAGES[0]}, {"type": "text", "text": "What is in these two pictures?"},
+        {"type": "image_url", "image_url": {"url": str(file)}}]}]
+    vlm = VisionLanguageModel.load(path)
+    tokens, images = vlm.chat_prompt(messages)
+    plain = [{"type": "image"}, {"type": "text", "text": "What is in these two pictures?"}, {"type": "image"}]
+    ref, expected = _chat_reference(model, full, plain, [IMAGES[0], IMAGES[1]], 6)
+    assert tokens == ref["input_ids"][0].tolist()
+    assert tokens.count(model.config.image_token_id) == (24 + 16) // 4
+    assert np.array_equal(vlm.pixel_values(images), ref["pixel_values"].numpy())
+    ids, _ = vlm.chat(messages, max_new=6)
+    assert ids == expected
+
+
+def test_caption_matches_transformers(chat_checkpoint, tmp_path, capsys):
+    from poot_core.cli.main import main
+
+    path, model, full = chat_checkpoint
+    image = tmp_path / "large.png"
+    IMAGES[2].save(image)
+    assert main(["caption", "-m", str(path), str(image), "-p", "What is this?", "-n", "5"]) == 0
+    reply = capsys.readouterr().out
+    ref, ids = _chat_reference(model, full, [{"type": "image"}, {"type": "text", "text": "What is this?"}],
+                               [IMAGES[2]], 5)
+    expected = full.tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.strip() and reply == expected.strip() + "\n"
+
+
+def test_corrupt_image_is_a_request_error(checkpoint, tmp_path: Path):
+    path, _ = checkpoint
+    vlm = VisionLanguageModel.load(path)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png" * 4)
+    with pytest.raises(RequestError):
+        vlm.generate([0, 5], [bad], max_new=2)
+    with pytest.raises(RequestError):
+        vlm.frames(["data:image/png;base64,AAAA"])
+    # a prompt whose image tokens do not fit the images' grids is refused before any text step
+    pixels, grids = _reference(IMAGES[:1])
+    with pytest.raises(RequestError):
+        vlm.logits(_prompt(grids)[:-6] + [5], IMAGES[:1])
