@@ -5,37 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from poot_core.errors import RequestError, TemplateError
+from poot_core.text.incremental import StreamDecoder, WindowDecoder
 from poot_core.text.vocab import Vocabulary
 
-
-class StreamDecoder:
-    """Turns generated ids into text pieces as they come, never splitting a UTF-8 character.
-
-    It decodes a small window of recent ids and emits only what the newest id added; text that ends in
-    an incomplete byte sequence (the replacement character) waits for the next id. Decoding with a few
-    ids of context keeps tokenizers that drop a leading space at the start of a decode honest."""
-
-    def __init__(self, services: TextServices, context: list[int] | None = None) -> None:
-        self._services = services
-        self._ids = list(context or [])[-4:]
-        self._prefix = 0
-        self._read = len(self._ids)
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        before = self._services.decode(self._ids[self._prefix : self._read])
-        now = self._services.decode(self._ids[self._prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return now[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        """What is still held back at the end of generation (an incomplete character stays visible)."""
-        before = self._services.decode(self._ids[self._prefix : self._read])
-        now = self._services.decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return now[len(before) :]
+__all__ = ["StreamDecoder", "TextServices"]
 
 
 class TextServices:
@@ -43,6 +16,7 @@ class TextServices:
         self.vocab = vocab
         self.tokenizer = vocab.tokenizer
         self._size = self.tokenizer.get_vocab_size(with_added_tokens=True)  # asked once: decode runs per token
+        self._windows = WindowDecoder(self.tokenizer.decode, self._size)  # shared by every stream of this model
 
     # --- plain text -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
@@ -69,7 +43,7 @@ class TextServices:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def stream(self, context: list[int] | None = None) -> StreamDecoder:
-        return StreamDecoder(self, context)
+        return StreamDecoder(self._windows, context)
 
     def vocab_size(self) -> int:
         return self._size
