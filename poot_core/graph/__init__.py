@@ -7,11 +7,13 @@ executor prepares once and runs many times. Shapes are concrete for the step sha
   tracer.py   `Tracer`, the methods families call, one per op
   passes.py   the op vocabulary (`OPS`) and what every executor derives from a graph: handler dispatch,
               liveness, the add -> rms_norm fusion, linears that share an input
+  buffers.py  `BufferPool`: a step's device buffers by liveness, for backends that plan buffers themselves
 
 This package is part of poot_core's public API: backend plugins import the passes from here.
 """
 
 from poot_core.graph import passes
+from poot_core.graph.buffers import BufferPool
 from poot_core.graph.ir import (
     RECURRENT_KINDS,
     Graph,
@@ -29,6 +31,6 @@ from poot_core.graph.ir import (
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
 from poot_core.graph.tracer import Tracer
 
-__all__ = ["OPS", "RECURRENT_KINDS", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec",
-           "StepShape",
-           "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes", "sequence_runs"]
+__all__ = ["OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef",
+           "StateSpec", "StepShape", "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes",
+           "sequence_runs"]

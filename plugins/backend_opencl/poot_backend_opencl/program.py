@@ -2,7 +2,7 @@
 
 `OpenCLProgram(...)` checks every node against what the kernels can run (a typed refusal naming the op,
 attribute, shape or device limit otherwise), gives each value a device buffer (reusing a buffer once its last
-reader has run: poot_core.graph.passes.last_use) and turns each node into launches through its op's handler
+reader has run: poot_core.graph.BufferPool) and turns each node into launches through its op's handler
 (`op_<name>`, the dispatch table of the passes). `run` writes the step's ids and positions, enqueues the
 launches (replay.py) and returns the outputs as fresh buffers (a later step does not overwrite an output the
 caller still holds). The start position is read by the kernels from the positions buffer, so nothing is
@@ -22,13 +22,12 @@ from poot_core import (
     Reason,
     RequestError,
     Unsupported,
-    ValueRef,
     WeightRef,
     check_positions,
     inverse_frequencies,
     rope_attention_factor,
 )
-from poot_core.graph import passes
+from poot_core.graph import BufferPool, passes
 
 from .kernels import ops
 from .kernels.launch import Arr, DeviceWeight, Launch, Slot
@@ -42,25 +41,6 @@ DECODE_SPLIT = 64  # KV positions per work-group of one-token attention
 MAX_SPLITS = 64  # a long capacity gets longer splits rather than more of them
 PREFILL_SPLITS = 4  # several tokens a step: fewer, longer splits keep the partial results small
 MAX_EXPERTS = 256
-
-
-class _Buffers:
-    """Device buffers for the graph's values, reused by size once the values they hold are dead."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.free: dict[int, list[Any]] = {}
-        self.users: dict[int, int] = {}
-
-    def take(self, shape: tuple[int, ...], dtype: str = "f32") -> Arr:
-        nbytes = max(4, 4 * math.prod(shape))
-        pool = self.free.get(nbytes)
-        buf = pool.pop() if pool else self.runtime.buffer(nbytes)
-        self.users[id(buf)] = 0
-        return Arr(buf, tuple(shape), dtype)
-
-    def give(self, buf: Any) -> None:
-        self.free.setdefault(buf.size, []).append(buf)
 
 
 class OpenCLProgram:
@@ -78,23 +58,19 @@ class OpenCLProgram:
         self.inputs = {name: Arr(runtime.buffer(4 * self.tokens), (self.tokens,), "u32") for name in graph.inputs}
         if "positions" not in self.inputs:
             self.inputs["positions"] = Arr(runtime.buffer(4 * self.tokens), (self.tokens,), "u32")
-        self.values: dict[str, Arr] = {}
-        self._buffers = _Buffers(runtime)
-        self._last_use = passes.last_use(graph)
+        self._buffers: BufferPool[Any, Arr] = BufferPool(graph, runtime.buffer, Arr, lambda a: a.buf)
         self._add_norm = set(passes.add_norm_pairs(graph.nodes))
         self._fused_adds: dict[str, tuple[Arr, Arr]] = {}
-        self._late_reads: dict[int, list[str]] = {}
         self._rope_tables: dict[str, tuple[Arr, float]] = {}
         self._ropes: dict[str, tuple[Node, int]] = {}  # rope output -> (node, index of its launch)
-        self._scratch_buffers: dict[tuple[str, tuple[int, ...]], Arr] = {}
         launches: list[Launch] = []
         self._launches = launches
         dispatch: passes.Dispatch[list[Launch]] = passes.Dispatch(self, "opencl")
         for index, node in enumerate(graph.nodes):
             self._at = index
             launches.extend(dispatch(node))
-            self._release(index, node)
-        self.outputs = [self.values[name] for name in graph.outputs]
+            self._buffers.release(index, node)
+        self.outputs = [self._buffers.values[name] for name in graph.outputs]
         self.ids: Arr | None = None
         last = graph.nodes[-1] if graph.nodes else None
         if last is not None and last.op == "logits" and graph.outputs == [last.output]:
@@ -106,24 +82,8 @@ class OpenCLProgram:
 
     # -- planning ------------------------------------------------------------------------------------
 
-    def _release(self, index: int, node: Node) -> None:
-        read = (r.name for r in node.inputs if isinstance(r, ValueRef))
-        for name in {*read, node.output, *self._late_reads.get(index, ())}:
-            value = self.values.get(name)
-            if value is None or self._last_use.get(name, -1) > index:
-                continue
-            key = id(value.buf)
-            self._buffers.users[key] -= 1
-            if self._buffers.users[key] == 0:
-                self._buffers.give(value.buf)
-
-    def _define(self, name: str, array: Arr) -> Arr:
-        self.values[name] = array
-        self._buffers.users[id(array.buf)] = self._buffers.users.get(id(array.buf), 0) + 1
-        return array
-
     def _new(self, node: Node) -> Arr:
-        return self._define(node.output, self._buffers.take(tuple(node.shape)))
+        return self._buffers.new(node.output, tuple(node.shape))
 
     def _value(self, node: Node, i: int) -> Arr:
         ref = node.inputs[i]
@@ -135,9 +95,7 @@ class OpenCLProgram:
             return found
         if name in self.inputs:
             return self.inputs[name]
-        if name not in self.values:
-            raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
-        return self.values[name]
+        return self._buffers.value(node, name)
 
     def _optional(self, node: Node, i: int) -> Arr | None:
         return self._value(node, i) if node.input(i) is not None else None
@@ -152,14 +110,6 @@ class OpenCLProgram:
     def _missing(self, node: Node, weight: str, wanted: str) -> None:
         why = self.weights.skipped.get(weight, "it is not a weight of the uploaded checkpoint")
         raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the opencl backend needs {wanted}: {why}")
-
-    def _scratch(self, key: str, shape: tuple[int, ...]) -> Arr:
-        """A buffer for values that live inside one node's launches, shared by every node asking for the same
-        key and shape (launches run in order)."""
-        found = self._scratch_buffers.get((key, shape))
-        if found is None:
-            found = self._scratch_buffers[(key, shape)] = self._buffers.take(shape)
-        return found
 
     def _rows(self, x: Arr, cols: int, node: Node) -> int:
         if x.size % cols:
@@ -198,14 +148,14 @@ class OpenCLProgram:
         softcap = node.attrs.get("softcap")
         if not softcap:
             return [ops.linear(self.rt, w, x, out, tokens)]
-        raw = self._scratch("raw_logits", tuple(out.shape))
+        raw = self._buffers.scratch("raw_logits", tuple(out.shape))
         return [ops.linear(self.rt, w, x, raw, tokens), ops.softcap(self.rt, raw, out, float(softcap))]
 
     def op_reshape(self, node: Node) -> list[Launch]:
         x = self._value(node, 0)
         if math.prod(node.shape) != x.size:
             raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
-        self._define(node.output, x.view(tuple(node.shape)))
+        self._buffers.define(node.output, x.view(tuple(node.shape)))
         return []
 
     def _rope_table(self, a: dict[str, Any]) -> tuple[Arr, float]:
@@ -282,7 +232,7 @@ class OpenCLProgram:
         else:
             launches.append(ops.kv_write(self.rt, k, k_slot, positions, tokens, width))
         out = self._new(node)
-        part = self._scratch("attention", (tokens, heads, splits, head_dim + 2))
+        part = self._buffers.scratch("attention", (tokens, heads, splits, head_dim + 2))
         launches += ops.attention(self.rt, q, k_slot, v_slot, positions, out, part, tokens, heads, kv_heads, head_dim,
                                   split_len, splits, scale, window, softcap)
         return launches
@@ -313,10 +263,7 @@ class OpenCLProgram:
         if self._at in self._add_norm and a.size == b.size:  # the next node, an rms_norm, computes the sum
             self._new(node)
             self._fused_adds[node.output] = (a, b)
-            for name in (r.name for r in node.inputs[:2]):  # read by the norm: released after it
-                if self._last_use.get(name, -1) == self._at:
-                    self._last_use[name] = self._at + 1
-                    self._late_reads.setdefault(self._at + 1, []).append(name)
+            self._buffers.read_later((r.name for r in node.inputs[:2]), self._at)  # read by the norm too
             return []
         return self._binary(node)
 
@@ -370,9 +317,10 @@ class OpenCLProgram:
         width, inter = router.cols, experts[0][0].rows
         tokens = self._rows(x, width, node)
         out = self._new(node)
-        logits, weights = self._scratch("logits", (tokens, count)), self._scratch("weights", (tokens, count))
-        gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
-        h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+        scratch = self._buffers.scratch
+        logits, weights = scratch("logits", (tokens, count)), scratch("weights", (tokens, count))
+        gate, up = scratch("gate", (tokens, inter)), scratch("up", (tokens, inter))
+        h, y = scratch("h", (tokens, inter)), scratch("y", (tokens, width))
         rt = self.rt
         launches = [ops.linear(rt, router, x, logits, tokens),
                     ops.moe_route(rt, logits, bias, weights, tokens, count, a)]
@@ -386,7 +334,7 @@ class OpenCLProgram:
                 ops.moe_accumulate(rt, weights, count, e, y, out, width, tokens, ops.ASSIGN if e == 0 else ops.ADD),
             ]
         if shared is not None and shared_gate is not None:
-            sw = self._scratch("shared_gate", (tokens, 1))
+            sw = scratch("shared_gate", (tokens, 1))
             launches += [ops.linear(rt, shared_gate, x, sw, tokens),
                          ops.moe_accumulate(rt, sw, 1, 0, shared, out, width, tokens, ops.SIGMOID)]
         elif shared is not None:

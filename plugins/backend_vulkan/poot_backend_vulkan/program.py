@@ -2,7 +2,7 @@
 
 `VulkanProgram(...)` checks every node against what the kernels can run (a typed refusal naming the op,
 attribute or shape otherwise), gives each value a device buffer (reusing a buffer once its last reader has
-run: poot_core.graph.passes.last_use), turns each node into an emitter through its op's handler
+run: poot_core.graph.BufferPool), turns each node into an emitter through its op's handler
 (`op_<name>`, the dispatch table of the passes), and records the step (replay.py). `run` writes the step's
 token ids and positions, replays, and returns the outputs as fresh device buffers (a later step does not
 overwrite an output the caller still holds).
@@ -23,12 +23,11 @@ from poot_core import (
     Reason,
     RequestError,
     Unsupported,
-    ValueRef,
     WeightRef,
     check_positions,
     rope_attention_factor,
 )
-from poot_core.graph import passes
+from poot_core.graph import BufferPool, passes
 
 from .kernels import attention as attn
 from .kernels import elementwise as ew
@@ -67,25 +66,6 @@ def _view(array: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
     return DeviceArray(array.buffer, tuple(shape), array.dtype)
 
 
-class _Buffers:
-    """Device buffers for the graph's values, reused by size once the values they hold are dead."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.free: dict[int, list[Any]] = {}
-        self.users: dict[int, int] = {}  # id(buffer) -> live values aliasing it
-
-    def take(self, shape: tuple[int, ...], dtype: str = "f32") -> DeviceArray:
-        nbytes = max(4, 4 * math.prod(shape))
-        pool = self.free.get(nbytes)
-        buffer = pool.pop() if pool else self.runtime.raw_buffer(nbytes)
-        self.users[id(buffer)] = 0
-        return DeviceArray(buffer, tuple(shape), dtype)
-
-    def give(self, buffer: Any) -> None:
-        self.free.setdefault(buffer.size, []).append(buffer)
-
-
 class VulkanProgram:
     def __init__(self, runtime: Runtime, graph: Graph, weights: DeviceWeights) -> None:
         self.runtime = runtime
@@ -103,18 +83,15 @@ class VulkanProgram:
             if len(value.shape) != 2 or value.shape[0] != 1:
                 raise Unsupported(Reason.SHAPE, f"input {name} {value.shape}", "inputs are [1, tokens] ids")
         self.inputs = {name: runtime.empty(self.tokens, "u32") for name in graph.inputs}
-        self.values: dict[str, DeviceArray] = {}
-        self._buffers = _Buffers(runtime)
-        self._last_use = passes.last_use(graph)
+        self._buffers: BufferPool[Any, DeviceArray] = BufferPool(graph, runtime.raw_buffer, DeviceArray,
+                                                                 lambda a: a.buffer)
         self._add_norm = set(passes.add_norm_pairs(graph.nodes))
         self._shared_input = {i: group for group in passes.shared_input_linears(graph.nodes) for i in group}
         self._rope_tables: dict[tuple[Any, ...], tuple[DeviceArray, float]] = {}
         # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
         # sum name -> (a, b), with a and b kept alive until the norm has read them
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
-        self._late_reads: dict[int, list[str]] = {}
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
-        self._scratch_buffers: dict[tuple[str, tuple[int, ...]], DeviceArray] = {}
         dispatch: passes.Dispatch[Emitter | None] = passes.Dispatch(self, "vulkan")
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
@@ -122,8 +99,8 @@ class VulkanProgram:
             emitter = dispatch(node)
             if emitter is not None:
                 emitters.append(emitter)
-            self._release(index, node)
-        self.outputs = [self.values[name] for name in graph.outputs]
+            self._buffers.release(index, node)
+        self.outputs = [self._buffers.values[name] for name in graph.outputs]
         self.ids: DeviceArray | None = None
         last = graph.nodes[-1] if graph.nodes else None
         if last is not None and last.op == "logits" and graph.outputs == [last.output]:
@@ -139,25 +116,8 @@ class VulkanProgram:
 
     # -- planning ------------------------------------------------------------------------------------
 
-    def _release(self, index: int, node: Node) -> None:
-        """After node `index`: a buffer whose every aliasing value is dead goes back to the pool."""
-        read = (r.name for r in node.inputs if isinstance(r, ValueRef))
-        for name in {*read, node.output, *self._late_reads.get(index, ())}:
-            value = self.values.get(name)
-            if value is None or self._last_use.get(name, -1) > index:
-                continue
-            key = id(value.buffer)
-            self._buffers.users[key] -= 1
-            if self._buffers.users[key] == 0:
-                self._buffers.give(value.buffer)
-
-    def _define(self, name: str, array: DeviceArray) -> DeviceArray:
-        self.values[name] = array
-        self._buffers.users[id(array.buffer)] = self._buffers.users.get(id(array.buffer), 0) + 1
-        return array
-
     def _new(self, node: Node) -> DeviceArray:
-        return self._define(node.output, self._buffers.take(tuple(node.shape)))
+        return self._buffers.new(node.output, tuple(node.shape))
 
     def _value(self, node: Node, i: int) -> DeviceArray:
         ref = node.inputs[i]
@@ -169,9 +129,7 @@ class VulkanProgram:
             return found
         if name in self.inputs:
             return self.inputs[name]
-        if name not in self.values:
-            raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
-        return self.values[name]
+        return self._buffers.value(node, name)
 
     def _matrix(self, node: Node, i: int) -> DeviceWeight:
         ref = node.inputs[i]
@@ -227,7 +185,7 @@ class VulkanProgram:
         whole, partners = group
         outs = [flat_out]
         for later in partners:  # their outputs exist from here on: this dispatch writes them
-            array = self._define(later.output, self._buffers.take(tuple(later.shape)))
+            array = self._buffers.new(later.output, tuple(later.shape))
             outs.append(_view(array, (1, array.size)))
             self._filled.add(later.output)
         return lambda rec, start: lin.gemv(rec, flat_x, whole, outs)
@@ -276,7 +234,7 @@ class VulkanProgram:
         x = self._value(node, 0)
         if math.prod(node.shape) != x.size:
             raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
-        self._define(node.output, _view(x, tuple(node.shape)))
+        self._buffers.define(node.output, _view(x, tuple(node.shape)))
         return None
 
     def op_rope(self, node: Node) -> Emitter:
@@ -297,13 +255,9 @@ class VulkanProgram:
         table, factor = found
         # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
         x_name = node.inputs[0].name
-        in_place = (
-            x_name in self.values
-            and self._last_use.get(x_name) == self._at
-            and self._buffers.users.get(id(x.buffer)) == 1
-        )
+        in_place = self._buffers.last_reader(x_name, self._at)
         if in_place:
-            out = self._define(node.output, _view(x, tuple(node.shape)))
+            out = self._buffers.define(node.output, _view(x, tuple(node.shape)))
         else:
             out = self._new(node)
         rotated = _view(out, (tokens, heads, head_dim))
@@ -409,10 +363,7 @@ class VulkanProgram:
         if self._at in self._add_norm and a.size == b.size:  # the next node, an rms_norm, computes the sum
             self._new(node)
             self._fused_adds[node.output] = (a, _view(b, a.shape))
-            for name in (r.name for r in node.inputs[:2]):  # read by the norm: released after it, not after this node
-                if self._last_use.get(name, -1) == self._at:
-                    self._last_use[name] = self._at + 1
-                    self._late_reads.setdefault(self._at + 1, []).append(name)
+            self._buffers.read_later((r.name for r in node.inputs[:2]), self._at)  # read by the norm too
             return None
         return self._binary(node, ew.add)
 
@@ -424,14 +375,6 @@ class VulkanProgram:
         out = self._new(node)
         factor = float(node.attrs["factor"])
         return lambda rec, start: ew.unary(rec, "scale", x, out, factor)
-
-    def _scratch(self, key: str, shape: tuple[int, ...]) -> DeviceArray:
-        """A buffer for values that live inside one node's dispatches, shared by every node of the step that
-        asks for the same key and shape (the step's dispatches run in order)."""
-        found = self._scratch_buffers.get((key, shape))
-        if found is None:
-            found = self._scratch_buffers[(key, shape)] = self._buffers.take(shape)
-        return found
 
     def op_moe(self, node: Node) -> Emitter:
         """Routing on the device (softmax top-k: a dense row of weights per token, and the chosen experts' ids
@@ -467,25 +410,26 @@ class VulkanProgram:
         top_k, norm, scale = int(a["top_k"]), bool(a["norm_topk"]), float(a["routed_scale"])
         out = self._new(node)
         flat_x, flat_out = _view(x, (tokens, width)), _view(out, (tokens, width))
-        logits, weights = self._scratch("logits", (tokens, count)), self._scratch("weights", (tokens, count))
-        ids = self._scratch("ids", (tokens, top_k))
+        scratch = self._buffers.scratch
+        logits, weights = scratch("logits", (tokens, count)), scratch("weights", (tokens, count))
+        ids = scratch("ids", (tokens, top_k))
         ids = DeviceArray(ids.buffer, ids.shape, "u32")
-        chosen = self._scratch("chosen", (tokens, top_k))
+        chosen = scratch("chosen", (tokens, top_k))
         stacks = None
         if tokens * top_k <= count:
             stacks = found if a["stacked"] else self._expert_stacks(node, count)
         shared_flat = None if shared is None else _view(shared, (tokens, width))
-        shared_w = None if shared_gate is None else self._scratch("shared_gate", (tokens, 1))
+        shared_w = None if shared_gate is None else scratch("shared_gate", (tokens, 1))
         if stacks is not None:
             gate_up, down = stacks
-            h = self._scratch("gathered_h", (tokens * top_k, inter))
+            h = scratch("gathered_h", (tokens * top_k, inter))
 
             def run_experts(rec: Recorder) -> None:
                 moe_kernels.gate_up(rec, flat_x, gate_up, ids, h, a["act"])
                 moe_kernels.down(rec, h, down, ids, chosen, flat_out)
         else:
-            gate, up = self._scratch("gate", (tokens, inter)), self._scratch("up", (tokens, inter))
-            h, y = self._scratch("h", (tokens, inter)), self._scratch("y", (tokens, width))
+            gate, up = scratch("gate", (tokens, inter)), scratch("up", (tokens, inter))
+            h, y = scratch("h", (tokens, inter)), scratch("y", (tokens, width))
 
             def run_experts(rec: Recorder) -> None:
                 for e, (w_gate, w_up, w_down) in enumerate(experts):
