@@ -9,7 +9,7 @@ with its mmproj GGUF (Gemma 3; poot_family_vision.mmproj).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +140,8 @@ class VisionLanguageModel:
 
     def generate(self, tokens: list[int], images: Sequence[object] = (), max_new: int = 32,
                  pixels: np.ndarray | None = None, ignore_eos: bool = False,
-                 layouts: Sequence[Any] | None = None) -> list[int]:
-        """Greedy continuation of the prompt."""
+                 layouts: Sequence[Any] | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Greedy continuation of the prompt; `on_token` is called with each new token as it is chosen."""
         features, layouts = self._features(images, pixels, layouts)
         out, state, delta = self._prefill(tokens, features, False, layouts)
         mrope = self.kind.mrope
@@ -151,6 +151,8 @@ class VisionLanguageModel:
         while len(new) < max_new and position < self.capacity:
             token = int(np.argmax(self.executor.to_numpy(out)[0, -1]))
             new.append(token)
+            if on_token is not None:
+                on_token(token)
             if token in self.config.eos_ids and not ignore_eos:
                 break
             out = step.run(state, {"tokens": np.asarray([[token]], np.int64),

@@ -1,0 +1,201 @@
+"""Captioning speed on the CPU: image-to-first-token time and decode tok/s of a SmolVLM-256M-shaped and a
+Qwen2.5-VL-3B-shaped model (random weights, float32, fewer layers than the real ones by default: the machine
+is a shared 2-core one) through poot's VisionLanguageModel, beside transformers' generate on the same
+checkpoint files, in the same run and the same threads.
+
+  python bench/caption.py [--models smolvlm-256m,qwen2.5-vl-3b] [--text-layers 2] [--vision-layers 2]
+                          [--new 8] [--repeats 2] [--qwen-side 224]
+
+The first token's time runs from the PIL image (preprocessing included, for both) to the first greedy token;
+decode is the tokens after it over the time after it. SmolVLM's frame is the tower's 512 x 512 without image
+splitting (one frame, 64 image tokens); Qwen2.5-VL's image is qwen-side square (224: 16 x 16 patches, 64 image
+tokens; the vision layers keep one window layer and one full-attention layer). Runs of the two alternate; the
+best of the repeats is kept. Writes bench/results/caption.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def image(side_w: int, side_h: int, seed: int = 1) -> Image.Image:
+    """A smooth gradient with noise and a bright square (a photo-like image to resize)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:side_h, 0:side_w]
+    rgb = np.stack([255 * x / side_w, 255 * y / side_h, 128 + 60 * np.sin(x / 5.0 + y / 7.0)], axis=-1)
+    rgb = np.clip(rgb + rng.normal(0, 20, rgb.shape), 0, 255)
+    rgb[side_h // 4 : side_h // 2, side_w // 3 : side_w // 2] = 250
+    return Image.fromarray(rgb.astype(np.uint8))
+
+
+def save_tokenizer(path: Path) -> None:
+    """A small word-level tokenizer.json (the prompts here are token ids; poot's loader wants the file)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}, "<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+class Clock:
+    """Times of the first and the last new token (poot's on_token; transformers' streamer, whose first put is
+    the prompt)."""
+
+    def __init__(self, skip_first_put: bool = False) -> None:
+        self.t0, self.times, self.tokens, self._skip = time.perf_counter(), [], [], skip_first_put
+
+    def __call__(self, token: Any) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(int(token.reshape(-1)[0]) if isinstance(token, torch.Tensor) else int(token))
+
+    def put(self, value: Any) -> None:
+        if self._skip:
+            self._skip = False
+            return
+        self(value)
+
+    def end(self) -> None:
+        pass
+
+    def figures(self) -> dict[str, float]:
+        first, last = self.times[0] - self.t0, self.times[-1] - self.times[0]
+        return {"first_token_s": first, "decode_tok_s": (len(self.times) - 1) / last if last > 0 else 0.0}
+
+
+def smolvlm(path: Path, text_layers: int, vision_layers: int) -> tuple[Any, Any, list[int], Image.Image]:
+    raw = common.hf_config("smolvlm_256m")
+    text = dict(raw["text_config"], num_hidden_layers=text_layers)
+    vis = dict(raw["vision_config"], num_hidden_layers=vision_layers)
+    cfg = tf.SmolVLMConfig(text_config=text, vision_config=vis, scale_factor=raw["scale_factor"],
+                           image_token_id=raw["image_token_id"])
+    model = tf.SmolVLMForConditionalGeneration(cfg).eval()
+    model.save_pretrained(path)
+    side = vis["image_size"]
+    processor = tf.Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side},
+                                             max_image_size={"longest_edge": side})
+    processor.save_pretrained(path)
+    tokens = (side // vis["patch_size"]) ** 2 // raw["scale_factor"] ** 2
+    prompt = [1, 100, 200, 49189, 49152] + [raw["image_token_id"]] * tokens + [49189, 300, 400, 500]
+
+    def reference(img: Image.Image, new: int, clock: Clock) -> None:
+        pixels = processor(images=[[img]], return_tensors="pt")["pixel_values"]
+        ids = torch.tensor([prompt])
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                       max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, streamer=clock)
+
+    return model, reference, prompt, image(640, 480)
+
+
+def qwen25vl(path: Path, text_layers: int, vision_layers: int, side: int) -> tuple[Any, Any, list[int], Image.Image]:
+    raw = common.hf_config("qwen25vl_3b")
+    text = dict(raw["text_config"], num_hidden_layers=text_layers)
+    full = [i for i in raw["vision_config"]["fullatt_block_indexes"] if i < vision_layers] or [vision_layers - 1]
+    vis = dict(raw["vision_config"], depth=vision_layers, fullatt_block_indexes=full)
+    cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vis, image_token_id=raw["image_token_id"],
+                              vision_start_token_id=raw["vision_start_token_id"],
+                              vision_end_token_id=raw["vision_end_token_id"],
+                              tie_word_embeddings=raw["tie_word_embeddings"])
+    model = tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model.save_pretrained(path)
+    processor = tf.Qwen2VLImageProcessorPil()
+    processor.save_pretrained(path)
+    img = image(side, side)
+    grid = processor(images=[img], return_tensors="pt")["image_grid_thw"]
+    image_id = raw["image_token_id"]
+    prompt = [100, 200, raw["vision_start_token_id"]] + [image_id] * (int(grid.prod()) // 4) + \
+        [raw["vision_end_token_id"], 300, 400]
+
+    def reference(img: Image.Image, new: int, clock: Clock) -> None:
+        out = processor(images=[img], return_tensors="pt")
+        ids = torch.tensor([prompt])
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=out["pixel_values"],
+                       image_grid_thw=out["image_grid_thw"], mm_token_type_ids=(ids == image_id).int(),
+                       max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, streamer=clock)
+
+    return model, reference, prompt, img
+
+
+def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from poot_family_vision.runtime import VisionLanguageModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        common.log(f"{name}: building {args.text_layers} text and {args.vision_layers} vision layers ...")
+        if name == "smolvlm-256m":
+            model, reference, prompt, img = smolvlm(path, args.text_layers, args.vision_layers)
+        else:
+            model, reference, prompt, img = qwen25vl(path, args.text_layers, args.vision_layers, args.qwen_side)
+        save_tokenizer(path)
+        vlm = VisionLanguageModel.load(path, capacity=len(prompt) + args.new + 8)
+        poot_runs, hf_runs, tokens = [], [], {}
+        for r in range(args.repeats):
+            clock = Clock()
+            vlm.generate(prompt, [img], max_new=args.new, ignore_eos=True, on_token=clock)
+            poot_runs.append(clock.figures())
+            tokens["poot"] = clock.tokens
+            clock = Clock(skip_first_put=True)
+            with torch.no_grad():
+                reference(img, args.new, clock)
+            hf_runs.append(clock.figures())
+            tokens["transformers"] = clock.tokens
+            common.log(f"  round {r}: poot {poot_runs[-1]}, transformers {hf_runs[-1]}")
+        del model
+
+    def best(runs: list[dict[str, float]]) -> dict[str, float]:
+        return {"first_token_s": min(x["first_token_s"] for x in runs),
+                "decode_tok_s": max(x["decode_tok_s"] for x in runs)}
+
+    ours, theirs = best(poot_runs), best(hf_runs)
+    result = {"prompt_tokens": len(prompt), "new_tokens": args.new, "poot": ours, "transformers": theirs,
+              "tokens_equal": tokens["poot"] == tokens["transformers"],
+              "first_token_speedup": theirs["first_token_s"] / ours["first_token_s"],
+              "decode_speedup": ours["decode_tok_s"] / theirs["decode_tok_s"] if theirs["decode_tok_s"] else None,
+              "rounds": {"poot": poot_runs, "transformers": hf_runs}}
+    common.log(f"{name}: first token {ours['first_token_s']:.2f} s vs {theirs['first_token_s']:.2f} s "
+               f"({result['first_token_speedup']:.2f}x); decode {ours['decode_tok_s']:.1f} vs "
+               f"{theirs['decode_tok_s']:.1f} tok/s ({result['decode_speedup']:.2f}x)")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smolvlm-256m,qwen2.5-vl-3b")
+    parser.add_argument("--text-layers", type=int, default=2)
+    parser.add_argument("--vision-layers", type=int, default=2)
+    parser.add_argument("--new", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--qwen-side", type=int, default=224)
+    parser.add_argument("--out", default="caption")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    load = os.getloadavg()[0]
+    common.log(f"load average {load:.2f}, torch threads {torch.get_num_threads()}")
+    results = {name: run(name, args) for name in args.models.split(",")}
+    path = common.write(args.out, {"load_average": load, "load_average_after": os.getloadavg()[0],
+                                   "text_layers": args.text_layers, "vision_layers": args.vision_layers,
+                                   "qwen_side": args.qwen_side, "dtype": "float32", "weights": "random",
+                                   "models": results})
+    common.log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
