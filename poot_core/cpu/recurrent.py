@@ -4,6 +4,10 @@ the gated delta rule (Qwen3-Next).
 Each keeps its layer's fixed-size state (graph kinds "conv", "ssm" and "delta", float32) in the step's state dict: read
 before the step, written after it, so prefill chunks and decode steps continue one sequence. Arithmetic is
 float32 whatever the weights' dtype (their small vectors are widened once, at bind time).
+
+In a paged step (the serving engine) the state is a pool of slots and the step a flat batch of many sequences'
+tokens: each sequence's run is computed alone, as one row over its own slot (`per_run`), so a sequence's
+arithmetic is the one it gets alone in the contiguous layout whatever shares its step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from poot_core.checkpoint.layouts import PackedWeight
-from poot_core.graph import Node
+from poot_core.graph import Node, sequence_runs
 
 Env = dict[str, Any]
 StepFn = Callable[[Env, dict[str, torch.Tensor]], torch.Tensor]
@@ -31,6 +35,33 @@ def _small(w: Any) -> torch.Tensor | None:
 
         w = dequantize(w)
     return w.float()
+
+
+RUNS = "recurrent_runs:"  # the step environment's key of a paged step's runs, worked out once per step
+
+
+def per_run(node: Node, values: list[Arg], state: Arg, paged: list[Arg],
+            compute: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]) -> StepFn:
+    """A recurrent op of a paged step: `compute(values of one run [1, t, ...], its slot's state [1, ...])` for
+    each sequence's run of tokens, over the slot state_slots names for it (zeroed first when the run starts at
+    position 0: a new or recomputed sequence). Padding tokens (sequence -1) give zeros."""
+    positions, seq_index, slots = paged
+
+    def run(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
+        runs = e.get(RUNS)
+        if runs is None:
+            runs = e[RUNS] = list(sequence_runs(seq_index(e, s)))
+        pool, starts, slot_of = state(e, s), positions(e, s)[0], slots(e, s)
+        vals = [v(e, s) for v in values]
+        out = torch.zeros(node.shape)
+        for seq, t0, t1 in runs:
+            row = pool[int(slot_of[seq])].unsqueeze(0)  # a view: the op updates the slot in place
+            if int(starts[t0]) == 0:
+                row.zero_()
+            out[:, t0:t1] = compute([v[:, t0:t1] for v in vals], row)
+        return out
+
+    return run
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window: torch.Tensor,
@@ -49,11 +80,13 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window:
 
 
 def bind_short_conv(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
-    x, _, _, window = args
+    x, _, _, window, *paged = args
     w = _small(get(node.inputs[1]))
     w = w.reshape(w.shape[0], w.shape[-1])  # Hugging Face's Conv1d stores [C, 1, K]
     b = _small(get(node.inputs[2]))
     act = node.attrs["act"]
+    if paged:
+        return per_run(node, [x], window, paged, lambda v, st: short_conv(v[0], w, b, st, act))
     return lambda e, s: short_conv(x(e, s), w, b, window(e, s), act)
 
 
@@ -126,10 +159,13 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Te
 
 
 def bind_ssm_scan(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
-    x, dt, _, b, c, _, _, state = args
+    x, dt, _, b, c, _, _, state, *paged = args
     # per-head vectors [H] (GGUF stores A and D as [H, 1])
     a_log, d, dt_bias = (_small(get(node.inputs[i])).reshape(-1) for i in (2, 5, 6))
     chunk, limit = node.attrs["chunk"], node.attrs["dt_limit"]
+    if paged:
+        return per_run(node, [x, dt, b, c], state, paged,
+                       lambda v, st: ssm_scan(v[0], v[1], a_log, v[2], v[3], d, dt_bias, st, chunk, limit))
     return lambda e, s: ssm_scan(x(e, s), dt(e, s), a_log, b(e, s), c(e, s), d, dt_bias, state(e, s), chunk, limit)
 
 
@@ -192,9 +228,12 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
 
 
 def bind_gated_delta(node: Node, args: list[Arg], get: Callable[[Any], Any]) -> StepFn:
-    q, k, v, a, b, _, _, state = args
+    q, k, v, a, b, _, _, state, *paged = args
     a_log, dt_bias = (_small(get(node.inputs[i])).reshape(-1) for i in (5, 6))  # per value head [Hv]
     chunk, eps = node.attrs["chunk"], node.attrs["eps"]
+    if paged:
+        return per_run(node, [q, k, v, a, b], state, paged,
+                       lambda t, st: gated_delta(*t, a_log, dt_bias, st, chunk, eps))
     return lambda e, s: gated_delta(q(e, s), k(e, s), v(e, s), a(e, s), b(e, s), a_log, dt_bias, state(e, s), chunk,
                                     eps)
 
@@ -218,4 +257,4 @@ def bind_gated_rms_norm(node: Node, args: list[Arg], get: Callable[[Any], Any]) 
 
 
 __all__ = ["bind_gated_delta", "bind_gated_rms_norm", "bind_short_conv", "bind_ssm_scan", "delta_chunked", "delta_step",
-           "gated_delta", "gated_rms_norm", "scan_chunked", "scan_step", "short_conv", "ssm_scan"]
+           "gated_delta", "gated_rms_norm", "per_run", "scan_chunked", "scan_step", "short_conv", "ssm_scan"]

@@ -8,7 +8,8 @@ with the same tokens (the next turn of a conversation) prefills only what is new
 Hybrid families also carry fixed-size recurrent state (convolution windows, SSM states: graph.RECURRENT_KINDS)
 beside KV. It summarizes every token the sequence holds and cannot be cut back, so a new sequence (a step at
 position 0) gets a fresh state, a follow-up request reuses it only when it extends every cached token, and
-speculation (which rolls back rejected tokens) and the paged layout are refused for such models.
+speculation (which rolls back rejected tokens) is refused for such models. The paged layout gives each running
+sequence a state slot (state_pool.py) and runs without a prefix cache.
 
 With a draft policy (DriverOptions.draft) decode proposes several tokens and verifies them in one step of
 the target (see speculation.py); the tokens then go through the same stop, limit and callback path one by
@@ -71,6 +72,9 @@ class DriverOptions:
     block_size: int = 16
     kv_blocks: int | None = None
     kv_fraction: float | None = None
+    # recurrent state (hybrid families): slots of fixed-size state, one per running sequence, so at most this many
+    # run at once (None: max_running, fewer when kv_fraction cannot hold them; their bytes count in its budget)
+    state_slots: int | None = None
     step_tokens: int | None = None  # token budget of one serving step (decode tokens and prefill chunks)
     max_running: int | None = None  # sequences one serving step may hold
     prefix_cache: bool = True
@@ -226,18 +230,13 @@ class Driver:
     def serve(self, layout: Layout = Layout.CONTIGUOUS) -> Driver | ServingDriver:
         """CONTIGUOUS: this driver, one sequence at a time. PAGED: the serving driver (engine.py), many
         sequences per step over a pool of KV blocks."""
+        if self._speculation is not None and self.recurrent:  # in either layout
+            raise Unsupported(Reason.SHAPE, f"speculative decoding of {self.family.name}",
+                              "its recurrent state cannot roll back rejected tokens; use DraftPolicy.OFF")
         if Layout(layout) is Layout.PAGED:
             from poot_core.driver.engine import ServingDriver
 
-            if self.recurrent:
-                raise Unsupported(Reason.SHAPE, f"the paged layout for {self.family.name}",
-                                  "its recurrent state (convolution windows, SSM states) has no paged form yet; "
-                                  "serve(Layout.CONTIGUOUS) runs it")
-
             return ServingDriver(self)
-        if self._speculation is not None and self.recurrent:
-            raise Unsupported(Reason.SHAPE, f"speculative decoding of {self.family.name}",
-                              "its recurrent state cannot roll back rejected tokens; use DraftPolicy.OFF")
         self.layout = Layout.CONTIGUOUS
         # Prepare the decode step now, so an op the executor cannot run is refused before any work.
         self.program(self._step_shape(1, False))

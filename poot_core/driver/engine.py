@@ -8,6 +8,9 @@ of its tokens gets its next token from its own sampler, stops and limits, as Dri
 
 Step shapes are bucketed (token counts and sequence slots in powers of two up to the budgets), so few programs
 are ever prepared; padding tokens belong to no sequence and write nothing.
+
+A model with recurrent state (hybrid families) also holds one state slot per running sequence (state_pool.py);
+the prefix cache and speculation are off for it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.speculative_engine import engine_speculation
+from poot_core.driver.state_pool import StatePool, pool_sizes, slot_index
 from poot_core.driver.stops import StopMatcher
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
-from poot_core.executor import Output, Program, device_greedy_rows, state_nbytes
-from poot_core.graph import Graph, Paging, StepShape
+from poot_core.executor import Output, Program, device_greedy_rows
+from poot_core.graph import Paging, StepShape
 
 if TYPE_CHECKING:
     from poot_core.driver.core import Driver, GenerateRequest, OnToken
@@ -123,9 +127,11 @@ class ServingDriver:
         self.limits = Limits(options.step_tokens, options.max_running, options.prefill_chunk)
         self._token_buckets = _buckets(options.step_tokens)
         self._seq_buckets = _buckets(options.max_running)
-        blocks = self._pool_blocks()
-        self.pool = KVPool(blocks, self.block_size, PrefixCache() if options.prefix_cache else None)
-        self.scheduler = Scheduler(self.pool, self.limits)
+        recurrent = driver.recurrent  # recurrent state: exact prefix reuse only, so no prefix cache (state_pool.py)
+        blocks, slots = pool_sizes(driver, self.block_size, self.max_blocks, recurrent)
+        self.slots = StatePool(slots) if recurrent else None
+        self.pool = KVPool(blocks, self.block_size, PrefixCache() if options.prefix_cache and not recurrent else None)
+        self.scheduler = Scheduler(self.pool, self.limits, self.slots)
         # the longest a sequence may grow: its window, and never more than the whole pool
         self.capacity = min(options.capacity, blocks * self.block_size)
         self._programs: OrderedDict[StepShape, Program] = OrderedDict()
@@ -142,27 +148,9 @@ class ServingDriver:
 
     # --- programs -------------------------------------------------------------------------------------
     def _shape(self, tokens: int, seqs: int, decode: bool = False) -> StepShape:
-        paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode)
+        paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode,
+                        self.slots.slots if self.slots is not None else 0)
         return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging)
-
-    def _pool_blocks(self) -> int:
-        options = self.driver.options
-        if options.kv_blocks is not None:
-            if options.kv_blocks < 1:
-                raise RequestError(f"kv_blocks must be positive, got {options.kv_blocks}")
-            return options.kv_blocks
-        if not 0.0 < options.kv_fraction <= 1.0:
-            raise RequestError(f"kv_fraction must be in (0, 1], got {options.kv_fraction}")
-        probe: Graph = self.driver._trace(StepShape(1, 1, self.block_size,
-                                                    paging=Paging(1, self.block_size, 1, self.max_blocks)))
-        per_block = state_nbytes(self.driver.executor, probe, self.driver.weights)  # one block of every pool
-        fits = int(options.kv_fraction * self.driver.executor.memory()["free"]) // max(per_block, 1)
-        enough = options.max_running * self.max_blocks  # every running sequence at its full window
-        blocks = min(fits, enough)
-        if blocks < 1:
-            raise CapacityError(f"not one KV block of {per_block} bytes fits in {options.kv_fraction} of the "
-                                "free memory; raise kv_fraction or set kv_blocks")
-        return blocks
 
     def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)
@@ -301,8 +289,11 @@ class ServingDriver:
                                             dtype=np.int64, count=held)
         logit_index = np.zeros(paging.seqs, dtype=np.int64)
         logit_index[:slots] = ends - 1
-        return {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
-                "logit_index": logit_index}
+        inputs = {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
+                  "logit_index": logit_index}
+        if self.slots is not None:
+            inputs["state_slots"] = slot_index(batch, paging.seqs)
+        return inputs
 
     def _on_device(self, req: _Request) -> bool:
         """Whether the row's token can be the executor's argmax (the logits then never cross to the host)."""

@@ -10,7 +10,8 @@ of the running slots and no more; without tenants (all None) this is plain first
 When a running sequence needs a block and the pool has none, the newest running sequence is
 preempted: its blocks are given back and it waits again, keeping its tokens, so that it is recomputed later
 and finishes as it would have. A sequence's tokens are its prompt and what it generated; `computed` of them
-have their K/V in its blocks.
+have their K/V in its blocks. A model with recurrent state also gives each running sequence one slot of a
+StatePool (state_pool.py): admission waits for a free slot, and finishing, aborting or preemption gives it back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import PrefixCache
+from poot_core.driver.state_pool import StatePool
 
 
 @dataclass(eq=False)
@@ -38,6 +40,7 @@ class Sequence:
     # speculative decoding: tokens proposed to follow `tokens`, run after its last one in the next step (they
     # are not in `tokens` until the verify step keeps them)
     draft: list[int] = field(default_factory=list)
+    slot: int = -1  # its recurrent state slot while it runs (StatePool), else -1
 
     @property
     def pending(self) -> int:
@@ -55,10 +58,10 @@ class Limits:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: Limits) -> None:
+    def __init__(self, pool: KVPool, limits: Limits, slots: StatePool | None = None) -> None:
         if limits.step_tokens < 1 or limits.max_running < 1 or limits.prefill_chunk < 1:
             raise ValueError(f"scheduler limits must be positive: {limits}")
-        self.pool, self.limits = pool, limits
+        self.pool, self.limits, self.slots = pool, limits, slots
         self.waiting: list[Sequence] = []  # kept in order()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self._running: set[Sequence] = set()  # the same sequences, for membership tests in O(1)
@@ -93,6 +96,10 @@ class Scheduler:
         for block in seq.blocks:
             self.pool.release(block)
         seq.blocks, seq.keys, seq.computed, seq.draft = [], [], 0, []
+        if seq.slot >= 0:
+            assert self.slots is not None
+            self.slots.release(seq.slot)
+            seq.slot = -1
 
     # --- one step -------------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -180,7 +187,7 @@ class Scheduler:
         n = min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget)
         idle_hits = sum(1 for b in hits if self.cache is not None and self.cache.is_idle(b))
         need = self.pool.blocks_for(computed + n) - len(hits)
-        if need > self.pool.available - idle_hits:
+        if need > self.pool.available - idle_hits or (self.slots is not None and not self.slots.available):
             return 0
         hits = self._cached_prefix(seq, count=True)
         for block in hits:
@@ -189,6 +196,8 @@ class Scheduler:
         seq.computed = seq.reused = computed
         for _ in range(need):
             seq.blocks.append(self.pool.allocate())
+        if self.slots is not None:
+            seq.slot = self.slots.allocate()
         self.waiting.remove(seq)
         self.running.append(seq)
         self._running.add(seq)

@@ -51,13 +51,18 @@ class Paging:
 
     decode: every token of the step is its sequence's only one, token i in slot i (padding after the last):
     a backend then needs no look at the inputs to split the step into runs, so it may replay the step as a
-    captured graph. The arithmetic of each token is the same either way."""
+    captured graph. The arithmetic of each token is the same either way.
+
+    state_slots: recurrent state (RECURRENT_KINDS) is a pool of that many fixed-size slots per layer, one per
+    running sequence; the step's extra input state_slots [seqs] gives each sequence slot's pool slot, and a
+    sequence whose run in the step starts at position 0 starts its slot from zeros (0: the model has none)."""
 
     blocks: int
     block_size: int
     seqs: int
     max_blocks: int
     decode: bool = False
+    state_slots: int = 0
 
 
 def sequence_runs(seq_index: Any) -> Iterator[tuple[int, int, int]]:

@@ -59,13 +59,16 @@ OPS: dict[str, OpSpec] = {
     "mla_attention": OpSpec(("q", "kv", "positions", "kv_norm", "kv_b", "cache", "seq_index?", "block_tables?"),
                             ("layer", "scale", "nope_dim", "rope_dim", "v_dim", "eps", "theta", "style", "scaling"),
                             "[R, T, H, v_dim]; see Tracer.mla_attention"),
-    # recurrent layers (poot-family-hybrid): their state is of a RECURRENT_KINDS kind, fixed size per row
+    # recurrent layers (poot-family-hybrid): their state is of a RECURRENT_KINDS kind, fixed size per row; a
+    # paged step's state is a pool of slots (Paging.state_slots), read through positions, seq_index, state_slots
     "slice": OpSpec(("x",), ("start", "stop"), "x[..., start:stop]"),
-    "short_conv": OpSpec(("x", "w", "b?", "window"), ("layer", "act"),
+    "short_conv": OpSpec(("x", "w", "b?", "window", "positions?", "seq_index?", "state_slots?"), ("layer", "act"),
                          "x's shape [R, T, C]; causal depthwise convolution, window carried; Tracer.short_conv"),
-    "ssm_scan": OpSpec(("x", "dt", "a_log", "b", "c", "d", "dt_bias", "ssm_state"), ("layer", "chunk", "dt_limit"),
+    "ssm_scan": OpSpec(("x", "dt", "a_log", "b", "c", "d", "dt_bias", "ssm_state", "positions?", "seq_index?",
+                        "state_slots?"), ("layer", "chunk", "dt_limit"),
                        "x's shape [R, T, H, P]; Mamba2's selective scan, see Tracer.ssm_scan"),
-    "gated_delta": OpSpec(("q", "k", "v", "a", "b", "a_log", "dt_bias", "delta_state"), ("layer", "chunk", "eps"),
+    "gated_delta": OpSpec(("q", "k", "v", "a", "b", "a_log", "dt_bias", "delta_state", "positions?", "seq_index?",
+                           "state_slots?"), ("layer", "chunk", "eps"),
                           "v's shape [R, T, Hv, Dv]; the gated delta rule (Qwen3-Next), see Tracer.gated_delta"),
     # vision-language families: image features [N, D] replace the rows of x [R, T, D] at flat indices index [N]
     "splice": OpSpec(("x", "features", "index"), (), "x's shape; x.reshape(-1, D)[index] = features"),

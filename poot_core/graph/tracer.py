@@ -41,9 +41,12 @@ class Tracer:
         return self.weight(name) if self.has_weight(name) else None
 
     def state(self, name: str, shape: tuple[int, ...], kind: str) -> Value:
-        if kind in RECURRENT_KINDS and self.graph.shape.paging is not None:
-            raise Unsupported(Reason.SHAPE, f"{kind} state {name} in a paged step",
-                              "recurrent state has no paged layout yet; serve such a model in the contiguous layout")
+        paging = self.graph.shape.paging
+        if kind in RECURRENT_KINDS and paging is not None:  # a pool of slots, one per running sequence
+            if paging.state_slots < 1:
+                raise Unsupported(Reason.SHAPE, f"{kind} state {name} in a paged step",
+                                  "the step has no recurrent state slots (Paging.state_slots)")
+            shape = (paging.state_slots, *shape[1:])
         self.graph.state[name] = StateSpec(name, shape, kind)
         return Value(StateRef(name), shape, "state")
 
@@ -118,6 +121,17 @@ class Tracer:
             return ()
         return (self.input("seq_index", (self.graph.shape.tokens,)),
                 self.input("block_tables", (paging.seqs, paging.max_blocks)))
+
+    def _slot_inputs(self) -> tuple[Value, ...]:
+        """The inputs a paged step's recurrent op reads besides its state (none when not paged): each token's
+        position (a run from position 0 starts its slot from zeros), sequence slot, and each sequence's state
+        slot (Paging.state_slots)."""
+        paging = self.graph.shape.paging
+        if paging is None:
+            return ()
+        tokens = self.graph.shape.tokens
+        return (self.input("positions", (1, tokens)), self.input("seq_index", (tokens,)),
+                self.input("state_slots", (paging.seqs,)))
 
     def encoder_attention(self, q: Value, k: Value, v: Value, mask: Value, *, scale: float) -> Value:
         return self.op("encoder_attention", (q, k, v, mask), (*q.shape[:3], v.shape[-1]), scale=scale)
@@ -222,7 +236,7 @@ class Tracer:
         the step, so prefill chunks and decode steps continue one sequence."""
         rows, _, channels = x.shape
         window = self.state(f"conv{layer}", (rows, channels, w.shape[-1] - 1), "conv")
-        return self.op("short_conv", (x, w, b, window), x.shape, layer=layer, act=act)
+        return self.op("short_conv", (x, w, b, window, *self._slot_inputs()), x.shape, layer=layer, act=act)
 
     def ssm_scan(self, x: Value, dt: Value, a_log: Value, b: Value, c: Value, d: Value, dt_bias: Value, *,
                  layer: int, chunk: int, dt_limit: tuple[float, float] = (0.0, float("inf"))) -> Value:
@@ -235,7 +249,8 @@ class Tracer:
         one step at a time; the two differ in summation order only."""
         rows, _, heads, head_dim = x.shape
         state = self.state(f"ssm{layer}", (rows, heads, head_dim, b.shape[-1]), "ssm")
-        return self.op("ssm_scan", (x, dt, a_log, b, c, d, dt_bias, state), x.shape, layer=layer, chunk=chunk,
+        return self.op("ssm_scan", (x, dt, a_log, b, c, d, dt_bias, state, *self._slot_inputs()), x.shape,
+                       layer=layer, chunk=chunk,
                        dt_limit=(float(dt_limit[0]), float(dt_limit[1])))
 
     def gated_delta(self, q: Value, k: Value, v: Value, a: Value, b: Value, a_log: Value, dt_bias: Value, *,
@@ -250,8 +265,8 @@ class Tracer:
         form), decode one step at a time; the two differ in summation order only."""
         rows, _, v_heads, v_dim = v.shape
         state = self.state(f"delta{layer}", (rows, v_heads, k.shape[-1], v_dim), "delta")
-        return self.op("gated_delta", (q, k, v, a, b, a_log, dt_bias, state), v.shape, layer=layer, chunk=chunk,
-                       eps=eps)
+        return self.op("gated_delta", (q, k, v, a, b, a_log, dt_bias, state, *self._slot_inputs()), v.shape,
+                       layer=layer, chunk=chunk, eps=eps)
 
     def gated_rms_norm(self, x: Value, gate: Value, w: Value, *, eps: float, group: int,
                        norm_first: bool = False) -> Value:

@@ -356,7 +356,15 @@ class Binder:
 
         return run
 
+    def _contiguous_state(self, node: Node, state_index: int) -> None:
+        """Refuse a paged step's recurrent op (its state a pool of slots read through state_slots) by name."""
+        if node.input(state_index + 1) is not None:
+            raise Unsupported(Reason.SHAPE, f"{node.op} in a paged step",
+                              f"the {self.backend} backend runs recurrent state in the contiguous layout only; "
+                              "serve this model with Layout.CONTIGUOUS here, or on the CPU executor")
+
     def op_short_conv(self, node: Node) -> StepFn:
+        self._contiguous_state(node, 3)
         act = node.attrs.get("act")
         if act not in (None, "silu"):
             raise Unsupported(Reason.OPERATION, f"short_conv:{act}", "activations: none or silu")
@@ -370,6 +378,7 @@ class Binder:
         return run
 
     def op_ssm_scan(self, node: Node) -> StepFn:
+        self._contiguous_state(node, 7)
         x_name, dt_name, b_name, c_name = (node.inputs[i].name for i in (0, 1, 3, 4))
         a_log, d, dt_bias = (self._small(node, i).reshape(-1) for i in (2, 5, 6))  # GGUF: A and D are [H, 1]
         state, out, limit = node.inputs[7].name, node.output, tuple(node.attrs["dt_limit"])
@@ -382,6 +391,7 @@ class Binder:
         return run
 
     def op_gated_delta(self, node: Node) -> StepFn:
+        self._contiguous_state(node, 7)
         names = [r.name for r in node.inputs[:5]]  # q, k, v, a, b
         a_log, dt_bias = (self._small(node, i).reshape(-1) for i in (5, 6))
         state, out, eps = node.inputs[7].name, node.output, float(node.attrs["eps"])
