@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,60 @@ def decode_payload(args: argparse.Namespace, bandwidth: float, how: str) -> dict
     }
     if torch.cuda.is_available():
         payload["device"] = torch.cuda.get_device_name()
+    return payload
+
+
+# run(backend, model key, its config, stored kind, args, copy bandwidth) -> that backend's result for the model
+DecodeRun = Callable[[str, str, dict[str, Any], str, argparse.Namespace, float], dict[str, Any]]
+# extra(model key, its config, its entry, args, copy bandwidth): more measurements of one model, into its entry
+DecodeExtra = Callable[[str, dict[str, Any], dict[str, Any], argparse.Namespace, float], None]
+
+
+def decode_rows(doc: str, backend: str, models: dict[str, tuple[dict[str, Any], str]], run: DecodeRun,
+                row: Callable[[str, str, dict[str, Any]], str], tiny: Callable[[str], dict[str, Any]],
+                extra: DecodeExtra | None = None) -> dict[str, Any]:
+    """The loop of a batch-1 decode benchmark (vulkan_decode, opencl_decode): the command line (decode_args),
+    the copy bandwidth, then for each model asked for (its config with `tiny(key)` over it under --smoke and
+    --layers applied) `run` on `backend` and on CUDA when present, an error recorded in place of a result
+    (one backend failing still reports the other), and how many greedy tokens the two share. Writes the
+    payload to --out or results/<backend>_decode.json, then a summary line per result (`row(key, backend,
+    result)` after the model and backend names) and returns the payload."""
+    args = decode_args(doc)
+    args.models = args.models or ",".join(models)
+    backends = [backend] + (["cuda"] if torch.cuda.is_available() and not args.no_cuda else [])
+    bandwidth, how = decode_bandwidth()
+    payload = decode_payload(args, bandwidth, how)
+    for key in args.models.split(","):
+        base, kind = models[key]
+        hf = {**base, **(tiny(key) if args.smoke else {})}
+        if args.layers:
+            hf["num_hidden_layers"] = args.layers
+        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "kind": kind}
+        for name in backends:
+            log(f"{key}: {name} ...")
+            try:
+                entry[name] = run(name, key, hf, kind, args, bandwidth)
+            except Exception as error:  # one backend failing still reports the other
+                entry[name] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"  {json.dumps({k: v for k, v in entry[name].items() if k != 'tokens'})}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if "tokens" in entry.get(backend, {}) and "tokens" in entry.get("cuda", {}):
+            entry["greedy_tokens_equal_prefix"] = equal_prefix(entry[backend]["tokens"], entry["cuda"]["tokens"])
+        if extra is not None:
+            extra(key, hf, entry, args, bandwidth)
+        payload["models"][key] = entry
+    if args.out:
+        args.out.write_text(json.dumps(payload, indent=1))
+    else:
+        log(f"wrote {write(f'{backend}_decode', payload)}")
+    log("\n=== summary (batch 1) ===")
+    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for key, entry in payload["models"].items():
+        for name in (backend, "cuda"):
+            r = entry.get(name)
+            if r is not None:  # None: not run (no CUDA device, or --no-cuda)
+                log(f"{key:11s} {name:6s}: {r if 'error' in r else row(key, name, r)}")
     return payload
 
 

@@ -15,12 +15,9 @@ bandwidth in bf16. The CUDA backend runs in the same process when CUDA is presen
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,52 +48,23 @@ def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str,
     backend_result["device"] = ex.capabilities().notes
 
 
+def run(backend: str, key: str, hf: dict[str, Any], kind: str, args: Any, bandwidth: float) -> dict[str, Any]:
+    result = vulkan_decode.decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
+    if backend == "opencl":
+        opencl_extras(result, hf, kind, args.prompt, args.new)
+    return result
+
+
+def row(key: str, backend: str, r: dict[str, Any]) -> str:
+    extra = ""
+    if backend == "opencl":
+        extra = f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels"
+    return (f"{r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.1f} GB/s "
+            f"({100 * r['fraction_of_copy_bandwidth']:.1f}% of copy; floor {r['floor_tok_s']:.0f} tok/s){extra}")
+
+
 def main() -> None:
-    args = common.decode_args(__doc__)
-    args.models = args.models or ",".join(MODELS)
-    cuda = torch.cuda.is_available() and not args.no_cuda
-    bandwidth, how = common.decode_bandwidth()
-    payload = common.decode_payload(args, bandwidth, how)
-    for key in args.models.split(","):
-        base, kind = MODELS[key]
-        hf = dict(base)
-        if args.smoke:
-            hf.update(vulkan_decode.TINY)
-        if args.layers:
-            hf["num_hidden_layers"] = args.layers
-        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "kind": kind}
-        for backend in ["opencl"] + (["cuda"] if cuda else []):
-            log(f"{key}: {backend} ...")
-            try:
-                entry[backend] = vulkan_decode.decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
-                if backend == "opencl":
-                    opencl_extras(entry[backend], hf, kind, args.prompt, args.new)
-            except Exception as error:  # one backend failing still reports the other
-                entry[backend] = {"error": f"{type(error).__name__}: {error}"}
-            log(f"  {json.dumps({k: v for k, v in entry[backend].items() if k != 'tokens'})}")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        if "tokens" in entry.get("opencl", {}) and "tokens" in entry.get("cuda", {}):
-            a, b = entry["opencl"]["tokens"], entry["cuda"]["tokens"]
-            entry["greedy_tokens_equal_prefix"] = common.equal_prefix(a, b)
-        payload["models"][key] = entry
-    if args.out:
-        args.out.write_text(json.dumps(payload, indent=1))
-    else:
-        log(f"wrote {common.write('opencl_decode', payload)}")
-    log("\n=== summary (batch 1) ===")
-    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for key, entry in payload["models"].items():
-        for backend in ("opencl", "cuda"):
-            r = entry.get(backend)
-            if not r or "error" in r:
-                log(f"{key:11s} {backend:6s}: {r}")
-                continue
-            extra = ""
-            if backend == "opencl":
-                extra = f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels"
-            log(f"{key:11s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.1f} GB/s "
-                f"({100 * r['fraction_of_copy_bandwidth']:.1f}% of copy; floor {r['floor_tok_s']:.0f} tok/s){extra}")
+    common.decode_rows(__doc__, "opencl", MODELS, run, row, tiny=lambda key: vulkan_decode.TINY)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ past the L2) so the step time can be split into matmul and the rest.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -275,76 +274,40 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
-    args = common.decode_args(__doc__)
-    args.models = args.models or ",".join(MODELS)
-    cuda = torch.cuda.is_available() and not args.no_cuda
-    bandwidth, how = common.decode_bandwidth()
-    payload = common.decode_payload(args, bandwidth, how)
-    for key in args.models.split(","):
-        base, kind = MODELS[key]
-        hf = dict(base)
-        if args.smoke:
-            hf.update(gpu_moe.SMOKE if key == "qwen3moe" else TINY)
-        if args.layers:
-            hf["num_hidden_layers"] = args.layers
-        entry: dict[str, Any] = {"layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "kind": kind}
-        for backend in ["vulkan"] + (["cuda"] if cuda else []):
-            log(f"{key}: {backend} ...")
-            try:
-                if key == "qwen3moe":
-                    entry[backend] = moe_run(backend, hf, args.prompt, args.new, bandwidth)
-                else:
-                    entry[backend] = decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
-            except Exception as error:  # one backend failing still reports the other
-                entry[backend] = {"error": f"{type(error).__name__}: {error}"}
-            shown = {k: v for k, v in entry[backend].items() if k != "tokens"}
-            log(f"  {json.dumps(shown)}")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        if "tokens" in entry.get("vulkan", {}) and "tokens" in entry.get("cuda", {}):
-            a, b = entry["vulkan"]["tokens"], entry["cuda"]["tokens"]
-            entry["greedy_tokens_equal_prefix"] = common.equal_prefix(a, b)
-        if key == "llama8b" and not args.smoke:
-            entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
-        payload["models"][key] = entry
-    text = json.dumps(payload, indent=1)
-    if args.out:
-        args.out.write_text(text)
-    else:
-        from common import write
+def run(backend: str, key: str, hf: dict[str, Any], kind: str, args: Any, bandwidth: float) -> dict[str, Any]:
+    if key == "qwen3moe":
+        return moe_run(backend, hf, args.prompt, args.new, bandwidth)
+    return decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
 
-        log(f"wrote {write('vulkan_decode', payload)}")
-    log("\n=== summary (batch 1) ===")
-    log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for key, entry in payload["models"].items():
-        for backend in ("vulkan", "cuda"):
-            r = entry.get(backend)
-            if r is None:  # not run (no CUDA device, or --no-cuda)
-                continue
-            if "error" in r:
-                log(f"{key:11s} {backend:6s}: {r}")
-                continue
-            if key == "qwen3moe":
-                moe, dense = r["moe"], r["dense"]
-                log(f"{key:11s} {backend:6s}: MoE {moe['decode_tok_s']:7.1f} tok/s ({moe['achieved_GBps']:.0f} GB/s "
-                    f"active), dense twin {dense['decode_tok_s']:7.1f} tok/s: MoE takes "
-                    f"{r['moe_time_over_dense']:.2f}x the dense step time (target <= 1.5)")
-                continue
-            extra = ""
-            if backend == "vulkan":
-                extra = (
-                    f", step on device {r['device_step_ms']:.2f} ms ({r['device_step_GBps']:.0f} GB/s), "
-                    f"host encode {r['host_encode_ms']:.2f} ms, host run() {r['host_run_ms']:.2f} ms a step "
-                    f"({100 * r['host_over_device']:.0f}% of the device step; target <= 25%), "
-                    f"{r['dispatches_per_step']} dispatches"
-                )
-                kernels = ", ".join(f"{k} {v['ms']:.2f} ms/{v['dispatches']}" for k, v in r["kernels"].items())
-                extra += f"\n{'':17s}per kernel: {kernels}"
-            log(
-                f"{key:11s} {backend:6s}: {r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
-                f"({100 * r['fraction_of_copy_bandwidth']:.0f}% of copy){extra}"
-            )
+
+def llama8b_gemv(key: str, hf: dict[str, Any], entry: dict[str, Any], args: Any, bandwidth: float) -> None:
+    if key == "llama8b" and not args.smoke:
+        entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
+
+
+def row(key: str, backend: str, r: dict[str, Any]) -> str:
+    if key == "qwen3moe":
+        moe, dense = r["moe"], r["dense"]
+        return (f"MoE {moe['decode_tok_s']:7.1f} tok/s ({moe['achieved_GBps']:.0f} GB/s active), dense twin "
+                f"{dense['decode_tok_s']:7.1f} tok/s: MoE takes {r['moe_time_over_dense']:.2f}x the dense step time "
+                "(target <= 1.5)")
+    extra = ""
+    if backend == "vulkan":
+        extra = (
+            f", step on device {r['device_step_ms']:.2f} ms ({r['device_step_GBps']:.0f} GB/s), "
+            f"host encode {r['host_encode_ms']:.2f} ms, host run() {r['host_run_ms']:.2f} ms a step "
+            f"({100 * r['host_over_device']:.0f}% of the device step; target <= 25%), "
+            f"{r['dispatches_per_step']} dispatches"
+        )
+        kernels = ", ".join(f"{k} {v['ms']:.2f} ms/{v['dispatches']}" for k, v in r["kernels"].items())
+        extra += f"\n{'':17s}per kernel: {kernels}"
+    return (f"{r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.0f} GB/s "
+            f"({100 * r['fraction_of_copy_bandwidth']:.0f}% of copy){extra}")
+
+
+def main() -> None:
+    common.decode_rows(__doc__, "vulkan", MODELS, run, row,
+                       tiny=lambda key: gpu_moe.SMOKE if key == "qwen3moe" else TINY, extra=llama8b_gemv)
 
 
 if __name__ == "__main__":
