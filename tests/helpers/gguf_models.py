@@ -23,9 +23,9 @@ MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_at
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def _config() -> tf.LlamaConfig:
-    # rows of 256 values: the K-quants and IQ4_XS pack 256 weights per block
-    return tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+def _config(layers: int, width: int) -> tf.LlamaConfig:
+    # rows of 256 values by default: the K-quants and IQ4_XS pack 256 weights per block
+    return tf.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
                           tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1)
 
@@ -36,8 +36,10 @@ def _from_gguf_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, out // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def build(tmp: Path, type_name: str) -> tuple[Path, Path]:
-    config = _config()
+def build(tmp: Path, type_name: str, *, layers: int = 2, width: int = 256) -> tuple[Path, Path]:
+    """The GGUF file and its Hugging Face copy. `width` (hidden size; the MLP is twice as wide) must be a multiple
+    of the type's block: 256 for the K-quants and IQ4_XS, 32 for the others."""
+    config = _config(layers, width)
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config)
     tiny._randomize(model, 0)
