@@ -27,6 +27,7 @@ from poot_core.driver.constraints import Matcher
 from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
+from poot_core.driver.prompt_logprobs import PromptEvent, PromptScores
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.speculative_engine import engine_speculation
@@ -63,7 +64,7 @@ class FinishedEvent:
     error: PootError | None = None
 
 
-Event = TokenEvent | FinishedEvent
+Event = TokenEvent | FinishedEvent | PromptEvent  # PromptEvent: submit(prompt_logprobs=k)
 
 
 @dataclass
@@ -143,6 +144,7 @@ class ServingDriver:
         self.logits: dict[int, list[np.ndarray]] = {}
         self.steps = 0
         self.speculation = engine_speculation(self)  # None without a draft policy (speculative_engine.py)
+        self.prompt_scores = PromptScores(self)  # prompt log-probabilities from the prefill (prompt_logprobs.py)
         self._greedy_rows = device_greedy_rows(executor)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
@@ -180,16 +182,24 @@ class ServingDriver:
         return prompt
 
     def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None,
-               tenant: str | None = None) -> int:
+               tenant: str | None = None, prompt_logprobs: int | None = None) -> int:
         """Queue a request; returns its id. A request that can never fit is a CapacityError here, a constraint
-        that does not compile a RequestError. Admission is fair between the tenants of one priority."""
+        that does not compile a RequestError. Admission is fair between the tenants of one priority.
+        prompt_logprobs=k: a PromptEvent with the prompt's log-probabilities and k alternatives each comes
+        before the first token (computed in the prompt's own prefill, which then reads no cached block)."""
         prompt = self._check(request)
-        return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt, tenant)
+        return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt, tenant,
+                            prompt_logprobs)
 
     def _submit(self, request: GenerateRequest, prompt: list[int], matcher: Matcher | None, priority: int = 0,
-                cache_salt: str | None = None, tenant: str | None = None) -> int:
+                cache_salt: str | None = None, tenant: str | None = None, prompt_logprobs: int | None = None) -> int:
+        if prompt_logprobs is not None and self.speculation is not None:
+            raise Unsupported(Reason.SHAPE, "prompt_logprobs with speculative decoding in the paged layout",
+                              "verify steps read no prompt rows; Driver.logits gives them with a prefill of its own")
         rid = self._next_id
         self._next_id += 1
+        if prompt_logprobs is not None:
+            cache_salt = self.prompt_scores.begin(rid, prompt, prompt_logprobs, cache_salt)
         seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, tenant=tenant, arrival=rid)
         limit = request.max_new if request.max_new >= 0 else self.capacity - len(prompt)
         req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
@@ -202,7 +212,7 @@ class ServingDriver:
             self.speculation.begin(req)
         if self.keep_logits:
             self.logits[rid] = []
-        if limit == 0:
+        if limit == 0 and not self.prompt_scores.scoring(rid):  # else it finishes when its prompt has run
             self._backlog.extend(self._finish(req, "length" if request.max_new >= 0 else "capacity"))
         else:
             self.scheduler.add(seq)
@@ -248,7 +258,13 @@ class ServingDriver:
             shape = self._shape(width, width, decode=True)
         else:
             shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
+        rows = self.prompt_scores.plan(batch)
+        if rows is not None and rows.extra:  # one more sequence slot per scored prompt position
+            shape = self._shape(_bucket(self._token_buckets, n),
+                                _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)))
         inputs = self._inputs(shape, batch)
+        if rows is not None:
+            self.prompt_scores.point(rows, inputs["logit_index"])
         for seq, count in batch:  # the masks of the rows this step samples are built while it runs
             matcher = self._requests[seq.id].constraint
             if matcher is not None and seq.computed + count == len(seq.tokens):
@@ -262,7 +278,8 @@ class ServingDriver:
             return events
         self.steps += 1
         self.scheduler.advance(batch)
-        return self._sample(batch, out)
+        scored = [] if rows is None else self.prompt_scores.score(rows, out)  # before the first token's event
+        return scored + self._sample(batch, out)
 
     def _inputs(self, shape: StepShape, batch: list[tuple[Sequence, int]]) -> dict[str, np.ndarray]:
         """The step's host inputs, built with whole-array numpy operations (a step may hold hundreds of
@@ -303,7 +320,9 @@ class ServingDriver:
     def _sample(self, batch: list[tuple[Sequence, int]], out: Output) -> list[Event]:
         picking = []  # (slot, request, whether its token is the device's argmax)
         for slot, (seq, _) in enumerate(batch):
-            if not seq.pending:  # pending: a prefill chunk short of the prompt's end, nothing to pick yet
+            # pending: a prefill chunk short of the prompt's end, nothing to pick yet; a request its prompt's
+            # scoring finished (max_new 0) is gone
+            if not seq.pending and seq.id in self._requests:
                 req = self._requests[seq.id]
                 picking.append((slot, req, self._on_device(req)))
         greedy = self._greedy_rows(out) if any(dev for _, _, dev in picking) else None
@@ -372,6 +391,7 @@ class ServingDriver:
         self.scheduler.remove(req.seq)
         if self.speculation is not None:
             self.speculation.end(req.seq.id)
+        self.prompt_scores.end(req.seq.id)
         del self._requests[req.seq.id]
         now = time.perf_counter()
         first = req.first_token or now
