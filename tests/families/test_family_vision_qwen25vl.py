@@ -9,78 +9,40 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 from poot_family_vision.runtime import VisionLanguageModel
 
+from helpers import qwen25vl as q25
 from helpers import tiny, vision
 from poot_core import Driver, DriverOptions, ModelHandle, RequestError, open_executor
 
-VISION_START, VISION_END, IMAGE_TOKEN = 290, 291, 292  # the checkpoints built by id (vocabulary 300)
-MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16
+IMAGE_TOKEN = q25.IMAGE_TOKEN
 # wide (2 x 3 merged tokens: windows of 4 and 2), tall (4 x 1), large (shrunk to at most 16 merged tokens)
 IMAGES = [*vision.IMAGES, vision.image(300, 180, 4)]
-
-# Qwen2.5-VL's template, cut to what an image chat needs
-QWEN_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif item['type'] == 'text' %}{{ item['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def config(vocab: int = 300, start: int = VISION_START, end: int = VISION_END,
-           image: int = IMAGE_TOKEN) -> tf.Qwen2_5_VLConfig:
-    text = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
-    vis = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 14,
-           "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
-           "out_hidden_size": 64, "hidden_act": "silu"}
-    return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vis, image_token_id=image,
-                               vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
-
-
-def build(cfg: tf.Qwen2_5_VLConfig, seed: int) -> Any:
-    torch.manual_seed(0)
-    m = tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    tiny._randomize(m, seed=seed)
-    with torch.no_grad():
-        m.model.visual.merger.ln_q.weight.add_(1.0)  # a norm whose name says none
-    return m
-
-
-def processor() -> Any:
-    return tf.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen25vl")
-    model = build(config(), seed=3)
+    model = q25.build(q25.config(), seed=3)
     model.save_pretrained(path)
     tiny.save_tokenizer(path)
-    processor().save_pretrained(path)
+    q25.processor().save_pretrained(path)
     return path, model
 
 
 def _reference(images) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    out = processor()(images=images, return_tensors="pt")
+    out = q25.processor()(images=images, return_tensors="pt")
     return out["pixel_values"].numpy(), [tuple(g) for g in out["image_grid_thw"].tolist()]
 
 
 def _prompt(grids) -> list[int]:
     ids = [0, 17, 33, 48]
     for t, h, w in grids:
-        ids += [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END, 55]
+        ids += [q25.VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [q25.VISION_END, 55]
     return ids + [60, 71, 5]
 
 
@@ -161,10 +123,10 @@ def test_text_only_prompt(checkpoint):
 
 
 def test_bf16_checkpoint_logits(tmp_path):
-    model = build(config(), seed=4).to(torch.bfloat16)
+    model = q25.build(q25.config(), seed=4).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
     tiny.save_tokenizer(tmp_path)
-    processor().save_pretrained(tmp_path)
+    q25.processor().save_pretrained(tmp_path)
     vlm = VisionLanguageModel.load(tmp_path)
     assert vlm.weights["model.embed_tokens.weight"].dtype == torch.bfloat16
     images = IMAGES[:2]
@@ -178,22 +140,7 @@ def test_bf16_checkpoint_logits(tmp_path):
 
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen25vl-chat")
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tiny.train_tokenizer(320), bos_token="<|bos|>",
-                                      eos_token="<|eos|>", chat_template=QWEN_TEMPLATE)
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                                                          "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
-    ids = fast.convert_tokens_to_ids
-    model = build(config(vocab=len(fast), start=ids("<|vision_start|>"), end=ids("<|vision_end|>"),
-                         image=ids("<|image_pad|>")), seed=5)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    processor().save_pretrained(path)
-    # without torchvision there is no video processor, whose class the processor would check; images need none
-    with mock.patch.object(tf.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        full = tf.Qwen2_5_VLProcessor(image_processor=processor(), tokenizer=fast, chat_template=QWEN_TEMPLATE,
-                                      video_processor=None)
-    return path, model, full
+    return q25.chat_checkpoint(tmp_path_factory.mktemp("qwen25vl-chat"))
 
 
 def _chat_reference(model, full, content: list[dict[str, Any]], images, new: int) -> tuple[Any, list[int]]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from poot_core import CheckpointError, DecoderParams, ModelConfig, ModelHandle, Reason, Unsupported, WeightStore
+from poot_family_vision import qwen25vl_gguf
 from poot_family_vision.config import VisionLanguageParams, VisionParams
 from poot_family_vision.gemma3 import PROJECTION
 from poot_family_vision.kinds import Gemma3Images
@@ -69,7 +70,7 @@ def _value(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def open_pair(handle: ModelHandle, mmproj: str | Path,
-              pan_and_scan: bool = False) -> tuple[ModelConfig, WeightStore, Gemma3Images]:
+              pan_and_scan: bool = False) -> tuple[ModelConfig, WeightStore, Any]:
     """The config, weights and image input of the text GGUF `handle` with the mmproj file beside it."""
     path = Path(mmproj)
     try:
@@ -77,8 +78,13 @@ def open_pair(handle: ModelHandle, mmproj: str | Path,
     except (OSError, ValueError) as exc:
         raise CheckpointError(path, f"not a readable GGUF file: {exc}") from exc
     reader.poot_path = path  # named in errors
-    if _value(reader, "general.architecture", "") != "clip" or _value(reader, "clip.projector_type", "") != "gemma3":
-        raise Unsupported(Reason.REGISTRY, f"mmproj {path.name}", "only Gemma 3's (clip.projector_type gemma3)")
+    projector = _value(reader, "clip.projector_type", "")
+    if _value(reader, "general.architecture", "") == "clip" and projector == qwen25vl_gguf.PROJECTOR_TYPE:
+        return qwen25vl_gguf.open_pair(handle, reader, _tensor, _value)
+    if _value(reader, "general.architecture", "") != "clip" or projector != "gemma3":
+        raise Unsupported(Reason.REGISTRY, f"mmproj {path.name}",
+                          "only Gemma 3's and Qwen2.5-VL's (clip.projector_type gemma3, "
+                          f"{qwen25vl_gguf.PROJECTOR_TYPE})")
     text = handle.config()
     if not isinstance(text.params, DecoderParams) or not text.architecture.startswith("gemma3"):
         raise Unsupported(Reason.REGISTRY, f"a Gemma 3 mmproj with a {text.architecture} text model",

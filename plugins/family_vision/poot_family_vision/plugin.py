@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from poot_core import DerivedWeight, Family, ModelConfig, StepShape, StoredWeights, Tracer, hookimpl
+from poot_core import (
+    DecoderParams,
+    DerivedWeight,
+    Family,
+    GGUFNames,
+    GGUFTensors,
+    ModelConfig,
+    StepShape,
+    StoredWeights,
+    Tracer,
+    hookimpl,
+    trace_dense_decoder,
+)
+from poot_family_vision import qwen25vl_gguf
 from poot_family_vision.config import model_config
 from poot_family_vision.gemma3 import gemma3_config, projection_weight
 from poot_family_vision.model import trace_text
@@ -37,14 +51,24 @@ class Gemma3(Family):
 
 
 class Qwen25VL(Family):
-    """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration). Traced by the driver it is the Qwen2 text model alone,
-    whose M-RoPE is the plain rope for text; images go through poot_family_vision.runtime.VisionLanguageModel."""
+    """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration; llama.cpp's text GGUF "qwen2vl"). Traced by the driver it
+    is the Qwen2 text model alone, whose M-RoPE is the plain rope for text; images go through
+    poot_family_vision.runtime.VisionLanguageModel (a GGUF with its mmproj file)."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return qwen25vl_config(self.name, hf)
 
+    def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:
+        return qwen25vl_gguf.text_config(self.name, metadata, path, tensors)
+
+    def gguf_tensor_name(self, config: ModelConfig, name: str) -> str | None:
+        return GGUFNames().map(name, self.name)
+
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        trace_text(config, t)
+        if isinstance(config.params, DecoderParams):  # the text GGUF alone
+            trace_dense_decoder(config, t)
+        else:
+            trace_text(config, t)
 
 
 FAMILIES = [
@@ -52,7 +76,7 @@ FAMILIES = [
     Idefics3("smolvlm", "smolvlm", ("SmolVLMForConditionalGeneration", "smolvlm")),
     # model_type "gemma3" is the llama family's (Gemma 3 GGUF files name their architecture so)
     Gemma3("gemma3-vision", "gemma3", ("Gemma3ForConditionalGeneration",)),
-    Qwen25VL("qwen2_5_vl", "qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")),
+    Qwen25VL("qwen2_5_vl", "qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "qwen2vl")),
 ]
 
 
