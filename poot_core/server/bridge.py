@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
+from poot_core.driver.prompt_logprobs import PromptEvent
 from poot_core.driver.sampling import TokenLogprobs
 from poot_core.errors import PootError
 from poot_core.server.logprobs import PromptStep, prompt_steps
@@ -64,7 +65,8 @@ class Ticket:
     salt: str | None = None
     tenant: str | None = None  # the scheduler shares admissions fairly between tenants of one priority
     prompt_top: int | None = None  # the prompt's log-probabilities with this many alternatives (None: not needed)
-    prompt_steps: list[PromptStep | None] | None = None  # ... set on the engine thread before Accepted
+    # ... set on the engine thread before the request's first Piece or its Done (its prompt's prefill gives them)
+    prompt_steps: list[PromptStep | None] | None = None
     on_item: Callable[[Ticket, Item], None] | None = None  # runs in the loop, before the item is queued
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
@@ -176,11 +178,13 @@ class EngineBridge:
         if self._stop.is_set():
             self._push(ticket, Rejected(RuntimeError("the server is shutting down")))
             return
+        top = ticket.prompt_top
         try:
-            if ticket.prompt_top is not None:  # one prefill of the whole prompt, between two steps
-                ticket.prompt_steps = prompt_steps(self.engine.driver, ticket.request.prompt, ticket.prompt_top)
+            if top is not None and self.engine.speculation is not None:  # verify steps read no prompt rows yet:
+                ticket.prompt_steps = prompt_steps(self.engine.driver, ticket.request.prompt, top)  # own prefill
+                top = None
             rid = self.engine.submit(ticket.request, priority=ticket.priority, cache_salt=ticket.salt,
-                                     tenant=ticket.tenant)
+                                     tenant=ticket.tenant, prompt_logprobs=top)
         except PootError as exc:
             self._push(ticket, Rejected(exc))
             return
@@ -200,7 +204,9 @@ class EngineBridge:
             ticket = self._tickets.get(event.request_id)
             if ticket is None:
                 continue
-            if isinstance(event, TokenEvent):
+            if isinstance(event, PromptEvent):  # comes before the request's first piece
+                ticket.prompt_steps = event.steps
+            elif isinstance(event, TokenEvent):
                 self._push(ticket, Piece(event.token, event.text, now, event.logprobs))
             elif isinstance(event, FinishedEvent):
                 del self._tickets[event.request_id]

@@ -11,7 +11,10 @@ begin, then delivers the calls in one delta before the finishing chunk (tools.py
 
 Completions' echo (vLLM's semantics): the prompt's text comes before the reply (a stream's first chunk of each
 choice), and with logprobs the prompt's tokens come first in them, the first one's logprob None; vLLM's
-prompt_logprobs rides on the choice (a stream's first chunk).
+prompt_logprobs rides on the choice (a stream's first chunk). Each choice's ticket gets them from its own prompt's
+prefill in the engine, so a stream's first chunk of a choice goes out with the choice's first item.
+Chat's echo and prompt_logprobs (vLLM's extras): the last message's content before the reply when it is the
+assistant's (a stream: a content chunk after the role chunk); prompt_logprobs on the response, not with stream.
 """
 
 from __future__ import annotations
@@ -62,13 +65,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def _serve(state: ServerState, request: Request, body: Sampling, plans: list[Plan], chat: bool,
                  text: TextServices) -> Any:
     requests = [r for plan in plans for r in plan.requests(body.n)]
-    tops = [plan.prompt_top if i == 0 else None for plan in plans for i in range(body.n)]  # once a prompt
+    tops = [plan.prompt_top for plan in plans for _ in range(body.n)]  # every choice scores its own prefill
     try:
         tickets = await state.submit(request.state.tenant, requests, tops)
     except APIError as err:
         raise _name_field(err, plans) from None
-    for plan, first in zip(plans, tickets[:: body.n], strict=True):
-        plan.prompt_steps = first.prompt_steps
     prompt_tokens = sum(len(p.prompt) for p in plans)
     meta = _Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), state.settings.model,
                  chat, prompt_tokens, text)
@@ -83,7 +84,7 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
     finally:
         watcher.cancel()
     choices, completion_tokens = [], 0
-    for index, ((reply, done), plan) in enumerate(zip(finished, choice_plans, strict=True)):
+    for index, ((reply, done), plan, ticket) in enumerate(zip(finished, choice_plans, tickets, strict=True)):
         reason = finish_reason(done.event.reason)
         generation = done.event.generation
         completion_tokens += len(generation.tokens)
@@ -95,18 +96,23 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     reason = finish(plan.tools, calls, reason)
+            if plan.echo is not None:
+                message["content"] = plan.echo + (message["content"] or "")
             logprobs = None if steps is None else {"content": chat_content(text, steps)}
             choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             logprobs = None
             if steps is not None:
                 built = CompletionLogprobs(text)
-                echoed = [] if plan.echo is None else [built.prompt(plan.prompt, plan.prompt_steps or [], _top(plan))]
+                echoed = [] if plan.echo is None else [built.prompt(plan.prompt, ticket.prompt_steps or [], _top(plan))]
                 logprobs = joined(*echoed, built.block(steps))
             choice = {"index": index, "text": (plan.echo or "") + reply, "logprobs": logprobs, "finish_reason": reason}
-            choices.append(_with_prompt_logprobs(choice, plan, text))
-    return JSONResponse({"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model,
-                         "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+            choices.append(_with_prompt_logprobs(choice, plan, text, ticket.prompt_steps))
+    response = {"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+    if chat and plans[0].prompt_top is not None:  # one prompt: vLLM gives them on the response
+        response["prompt_logprobs"] = prompt_logprobs_field(text, tickets[0].prompt_steps or [], plans[0].prompt_top)
+    return JSONResponse(response)
 
 
 class _Meta:
@@ -139,10 +145,11 @@ def _top(plan: Plan) -> int:
     return plan.logprobs or 0
 
 
-def _with_prompt_logprobs(choice: dict[str, Any], plan: Plan, text: TextServices) -> dict[str, Any]:
+def _with_prompt_logprobs(choice: dict[str, Any], plan: Plan, text: TextServices,
+                          steps: list[Any] | None) -> dict[str, Any]:
     top = getattr(plan.body, "prompt_logprobs", None)
     if top is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_field(text, plan.prompt_steps or [], top)
+        choice["prompt_logprobs"] = prompt_logprobs_field(text, steps or [], top)
     return choice
 
 
@@ -216,14 +223,18 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
         if meta.chat:
             yield meta.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None} for i in range(len(tickets))])
-        else:
-            for index, (plan, choice) in enumerate(zip(plans, choices, strict=True)):
-                first = _prompt_chunk(meta, index, plan, choice)
-                if first is not None:
-                    yield first
+            if plans[0].echo is not None:
+                yield meta.chunk([_delta(meta, i, plans[0].echo, None) for i in range(len(tickets))])
+        started = [meta.chat] * len(tickets)  # whether the choice's first chunk (completions: its prompt's) went
         while open_:
             index, item = await merged.get()
             choice = choices[index]
+            if not started[index] and (isinstance(item, Piece) or isinstance(item, Done)
+                                       and item.event.reason != "error"):
+                started[index] = True
+                first = _prompt_chunk(meta, index, plans[index], choice, tickets[index].prompt_steps)
+                if first is not None:
+                    yield first
             if isinstance(item, Piece):
                 piece, calls = (item.text, []) if choice.tools is None else choice.tools.push(item.text)
                 logprobs = choice.logprob_block(meta, [] if item.logprobs is None else [item.logprobs])
@@ -265,15 +276,15 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
             p.cancel()
 
 
-def _prompt_chunk(meta: _Meta, index: int, plan: Plan, choice: _Choice) -> str | None:
+def _prompt_chunk(meta: _Meta, index: int, plan: Plan, choice: _Choice, steps: list[Any] | None) -> str | None:
     """A streamed completion's first chunk when it echoes the prompt or gives prompt_logprobs."""
     if plan.echo is None and getattr(plan.body, "prompt_logprobs", None) is None:
         return None
     logprobs = None
     if plan.echo is not None and choice.completion is not None:
-        logprobs = choice.completion.prompt(plan.prompt, plan.prompt_steps or [], _top(plan))
+        logprobs = choice.completion.prompt(plan.prompt, steps or [], _top(plan))
     body = {"index": index, "text": plan.echo or "", "logprobs": logprobs, "finish_reason": None}
-    return meta.chunk([_with_prompt_logprobs(body, plan, meta.text)])
+    return meta.chunk([_with_prompt_logprobs(body, plan, meta.text, steps)])
 
 
 def _delta(meta: _Meta, index: int, text: str, reason: str | None,

@@ -53,11 +53,11 @@ class Plan:
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: no logprobs
     tools: Tools | None = None  # how the reply becomes tool calls (chat with tools)
     logit_bias: dict[int, float] | None = None  # logit_bias_of
-    # completions: echo, the prompt's text put before the reply; prompt_top, the alternatives per prompt token the
-    # response needs (echo with logprobs, prompt_logprobs), None when it needs no prompt logprobs
+    # echo: the text put before the reply (completions: the prompt's; chat: the last message's, the assistant's);
+    # prompt_top: the alternatives per prompt token the response needs (echo with logprobs, prompt_logprobs), None
+    # when it needs no prompt logprobs (each choice's ticket gets them from the engine)
     echo: str | None = None
     prompt_top: int | None = None
-    prompt_steps: list[Any] | None = None  # filled when the engine took the request (logprobs.prompt_steps)
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
@@ -169,7 +169,10 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
             and body.max_tokens != body.max_completion_tokens:
         raise refuse("max_completion_tokens", "differs from max_tokens; give one of them")
     limit = body.max_completion_tokens or body.max_tokens
-    rendered = text.render_chat_value(message_dicts(body.messages), None if tools is None else tools.tools)
+    if body.prompt_logprobs is not None and body.stream:
+        raise refuse("prompt_logprobs", "not available with stream: true")
+    messages = message_dicts(body.messages)
+    rendered = text.render_chat_value(messages, None if tools is None else tools.tools)
     prompt = text.encode_chat(rendered)
     max_new = -1 if limit is None else limit
     check_window(len(prompt), max_new, window)
@@ -177,8 +180,9 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
     if not body.ignore_eos:
         stops += [s for s in rendered.stops if s not in stops]  # the template's end-of-turn markers
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    echo = (messages[-1].get("content") or None) if body.echo and messages[-1]["role"] == "assistant" else None
     return Plan(prompt, max_new, stops, body, constraint, field, logprobs, tools,
-                logit_bias_of(body, text.vocab_size()))
+                logit_bias_of(body, text.vocab_size()), echo=echo, prompt_top=body.prompt_logprobs)
 
 
 def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constraint | None:

@@ -7,18 +7,17 @@ decoded alone; -inf (a token a constraint refused) is written as -9999.0, as vLL
 
 Prompt tokens (completions' echo with logprobs, and vLLM's prompt_logprobs): the log-softmax of the model's logits
 at each prompt position for the next prompt token, the first token None (nothing predicts it), as vLLM gives
-them. They come from the Driver's logits of the whole prompt (one prefill of its own, on the engine thread:
-the serving step keeps only each sequence's last logits).
+them. The serving engine gives them from the request's own prefill chunks (driver/prompt_logprobs.py);
+`prompt_steps` here runs a prefill of its own through Driver.logits, for an engine that speculates (its verify
+steps read no prompt rows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from poot_core.driver.sampling import TokenLogprobs, token_logprobs
+from poot_core.driver.prompt_logprobs import PromptStep, prompt_step
+from poot_core.driver.sampling import TokenLogprobs
 from poot_core.text.services import TextServices
 
 if TYPE_CHECKING:
@@ -49,25 +48,11 @@ def chat_content(text: TextServices, steps: list[TokenLogprobs]) -> list[dict[st
     return out
 
 
-@dataclass(frozen=True)
-class PromptStep:
-    """One prompt token after the first: its log-probability and top alternatives, and its rank in the
-    model's distribution (1: the most likely)."""
-
-    logprobs: TokenLogprobs
-    rank: int
-
-
 def prompt_steps(driver: Driver, prompt: list[int], top: int) -> list[PromptStep | None]:
     """The prompt's log-probabilities with `top` alternatives each: None for the first token, then one step per
     token from the logits of the position before it."""
     logits = driver.logits(prompt)
-    out: list[PromptStep | None] = [None]
-    for i in range(1, len(prompt)):
-        row = logits[i - 1].astype(np.float64)
-        token = prompt[i]
-        out.append(PromptStep(token_logprobs(row, token, top), 1 + int(np.count_nonzero(row > row[token]))))
-    return out
+    return [None, *(prompt_step(logits[i - 1], prompt[i], top) for i in range(1, len(prompt)))]
 
 
 def prompt_logprobs_field(text: TextServices, steps: list[PromptStep | None], top: int) -> list[Any]:

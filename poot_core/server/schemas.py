@@ -102,6 +102,10 @@ class ChatCompletionRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's extras: echo puts the last message's content before the reply when it is the assistant's (the turn
+    # the reply continues); prompt_logprobs gives the rendered prompt's log-probabilities (not with stream)
+    echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(Sampling):

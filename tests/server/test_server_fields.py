@@ -1,6 +1,6 @@
-"""`poot serve`'s logit_bias (chat and completions), echo and prompt log-probabilities (completions), an explicit
---tool-call-parser (mistral), and the field named by a constraint's compile error, through the official openai
-client.
+"""`poot serve`'s logit_bias (chat and completions), echo and prompt log-probabilities (completions and chat), an
+explicit --tool-call-parser (mistral), and the field named by a constraint's compile error, through the official
+openai client.
 
 logit_bias is checked against a float64 numpy formula (logits + bias, then argmax) on the logits the offline
 engine recorded for each token, and the reply against the offline engine's under the same bias; prompt
@@ -169,11 +169,8 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client, reference, prompt_log
     assert e.value.body["param"] == "max_tokens"
 
 
-def test_prompt_logprobs_follow_log_softmax(client, reference, prompt_logp):
-    ids, logp = prompt_logp
-    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0,
-                                    extra_body={"prompt_logprobs": 2})
-    field = got.choices[0].model_extra["prompt_logprobs"]
+def _check_prompt_logprobs(reference, field, ids, logp, top):
+    """vLLM's prompt_logprobs field against the log-softmax of the offline Driver's logits."""
     assert len(field) == len(ids) and field[0] is None
     for i in range(1, len(ids)):
         entry = field[i]
@@ -181,11 +178,54 @@ def test_prompt_logprobs_follow_log_softmax(client, reference, prompt_logp):
         assert abs(own["logprob"] - logp[i - 1, ids[i]].item()) < BOUND
         assert own["rank"] == 1 + int((logp[i - 1] > logp[i - 1, ids[i]]).sum())
         assert own["decoded_token"] == _text(reference).decode([ids[i]])
-        values, best = torch.topk(logp[i - 1], 2)
+        values, best = torch.topk(logp[i - 1], top)
         for rank, (t, v) in enumerate(zip(best.tolist(), values.tolist(), strict=True), 1):
             assert abs(entry[str(t)]["logprob"] - v) < BOUND
             assert entry[str(t)]["rank"] == rank or t == ids[i]
+
+
+def test_prompt_logprobs_follow_log_softmax(client, reference, prompt_logp):
+    ids, logp = prompt_logp
+    got = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    _check_prompt_logprobs(reference, got.choices[0].model_extra["prompt_logprobs"], ids, logp, 2)
     assert not got.choices[0].text.startswith(PROMPT)  # prompt_logprobs alone does not echo
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+                                     extra_body={"prompt_logprobs": 2})  # each choice scores its own prefill
+    for choice in both.choices:
+        _check_prompt_logprobs(reference, choice.model_extra["prompt_logprobs"], ids, logp, 2)
+
+
+# --- echo and prompt log-probabilities (chat: vLLM's extras) -------------------------------------------------
+TURN = "The colour I name is"
+CONTINUED = [*CHAT, {"role": "assistant", "content": TURN}]
+
+
+def test_chat_echo_puts_the_assistant_turn_before_the_reply(client):
+    def reply(messages, **extra):
+        return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=NEW, temperature=0,
+                                              extra_body=extra or None).choices[0].message.content
+
+    plain = reply(CONTINUED)
+    assert reply(CONTINUED, echo=True) == TURN + plain
+    assert reply(CHAT, echo=True) == reply(CHAT)  # the last message is the user's: nothing to echo
+    streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=CONTINUED, max_tokens=NEW,
+                                                   temperature=0, stream=True, extra_body={"echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == TURN + plain
+
+
+def test_chat_prompt_logprobs_follow_log_softmax(client, reference):
+    text = _text(reference)
+    ids = text.encode_chat(text.render_chat_value(CHAT))
+    logp = torch.log_softmax(torch.from_numpy(reference.driver.logits(ids)).double(), dim=-1)
+    got = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 3})
+    assert got.usage.prompt_tokens == len(ids)
+    _check_prompt_logprobs(reference, got.model_extra["prompt_logprobs"], ids, logp, 3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 3})
+    assert e.value.body["param"] == "prompt_logprobs"
 
 
 # --- --tool-call-parser mistral ------------------------------------------------------------------------------
