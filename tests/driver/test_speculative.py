@@ -158,11 +158,12 @@ def test_rejected_positions_are_rolled_back_for_the_next_request(checkpoint):
 
 
 @pytest.mark.interpreter
-def test_triton_executor_under_the_interpreter(checkpoint):
+def test_triton_executor_under_the_interpreter(tmp_path_factory):
     pytest.importorskip("triton")
     from poot_kernels_triton.executor import TritonExecutor
 
-    handle = ModelHandle.load(checkpoint("qwen2"))
+    # one decoder layer: the interpreter's cost is per kernel launch, and one layer has every op of a step
+    handle = ModelHandle.load(tiny.build(tmp_path_factory.mktemp("qwen2-1"), "qwen2", layers=1))
     ex = TritonExecutor.on_interpreter()  # slow: a short prompt, a few tokens
     request = GenerateRequest(handle.text().encode("a + b\na + b\na + b\na +"), max_new=8)
     plain = _generate(handle, DraftPolicy.OFF, request, ex)

@@ -99,6 +99,8 @@ def build(path: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int =
 
     config = tiny_config(arch)
     if layers is not None:
+        if getattr(config, "layer_types", None):  # qwen2/qwen3 list one attention type per layer
+            config.layer_types = config.layer_types[:layers]
         config.num_hidden_layers = layers
     classes = {"gemma3": tf.Gemma3ForCausalLM}
     model_cls = classes.get(arch, tf.AutoModelForCausalLM)
