@@ -24,7 +24,7 @@ import poot_kernels_triton as ktr
 from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
-from . import moe, paged_step, recurrent
+from . import moe, paged_recurrent, paged_step, recurrent
 from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
@@ -356,21 +356,21 @@ class Binder:
 
         return run
 
-    def _contiguous_state(self, node: Node, state_index: int) -> None:
-        """Refuse a paged step's recurrent op (its state a pool of slots read through state_slots) by name."""
-        if node.input(state_index + 1) is not None:
-            raise Unsupported(Reason.SHAPE, f"{node.op} in a paged step",
-                              f"the {self.backend} backend runs recurrent state in the contiguous layout only; "
-                              "serve this model with Layout.CONTIGUOUS here, or on the CPU executor")
+    def _paged(self, node: Node, state_index: int, values: list[str], compute: paged_recurrent.Compute) -> StepFn:
+        """A paged step's recurrent op: each sequence's run over its state slot (paged_recurrent.py)."""
+        self.host_syncs = True  # the runs are found on the host
+        return paged_recurrent.per_run(node, state_index, values, compute)
 
     def op_short_conv(self, node: Node) -> StepFn:
-        self._contiguous_state(node, 3)
         act = node.attrs.get("act")
         if act not in (None, "silu"):
             raise Unsupported(Reason.OPERATION, f"short_conv:{act}", "activations: none or silu")
         x_name, window, out = node.inputs[0].name, node.inputs[3].name, node.output
         w, b = self._small(node, 1), self._small(node, 2)
         w = w.reshape(w.shape[0], w.shape[-1])  # Hugging Face's Conv1d stores [C, 1, K]
+        if paged_recurrent.is_paged(node, 3):
+            silu = act == "silu"
+            return self._paged(node, 3, [x_name], lambda v, st: recurrent.short_conv(v[0], w, b, st, silu=silu))
 
         def run(s: Step) -> None:
             s.env[out] = recurrent.short_conv(s.env[x_name], w, b, s.state[window], silu=act == "silu")
@@ -378,10 +378,12 @@ class Binder:
         return run
 
     def op_ssm_scan(self, node: Node) -> StepFn:
-        self._contiguous_state(node, 7)
         x_name, dt_name, b_name, c_name = (node.inputs[i].name for i in (0, 1, 3, 4))
         a_log, d, dt_bias = (self._small(node, i).reshape(-1) for i in (2, 5, 6))  # GGUF: A and D are [H, 1]
         state, out, limit = node.inputs[7].name, node.output, tuple(node.attrs["dt_limit"])
+        if paged_recurrent.is_paged(node, 7):
+            return self._paged(node, 7, [x_name, dt_name, b_name, c_name], lambda v, st: recurrent.ssm_scan(
+                v[0], v[1], a_log, v[2], v[3], d, dt_bias, st, limit))
 
         def run(s: Step) -> None:
             e = s.env
@@ -391,10 +393,11 @@ class Binder:
         return run
 
     def op_gated_delta(self, node: Node) -> StepFn:
-        self._contiguous_state(node, 7)
         names = [r.name for r in node.inputs[:5]]  # q, k, v, a, b
         a_log, dt_bias = (self._small(node, i).reshape(-1) for i in (5, 6))
         state, out, eps = node.inputs[7].name, node.output, float(node.attrs["eps"])
+        if paged_recurrent.is_paged(node, 7):
+            return self._paged(node, 7, names, lambda t, st: recurrent.gated_delta(*t, a_log, dt_bias, st, eps))
 
         def run(s: Step) -> None:
             q, k, v, a, b = (s.env[n] for n in names)
