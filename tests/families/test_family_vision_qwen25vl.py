@@ -7,12 +7,14 @@ prompts and `poot caption` equal the processor's and generate's, and a corrupt i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import qwen25vl as q25
@@ -196,3 +198,24 @@ def test_corrupt_image_is_a_request_error(checkpoint, tmp_path: Path):
     pixels, grids = _reference(IMAGES[:1])
     with pytest.raises(RequestError):
         vlm.logits(_prompt(grids)[:-6] + [5], IMAGES[:1])
+
+
+def test_released_config_layout(checkpoint, tmp_path):
+    """Released checkpoints keep the text fields at the top of config.json, with rope_scaling of type mrope: the
+    same model for poot and for transformers."""
+    path, model = checkpoint
+    hf = json.loads((path / "config.json").read_text())
+    text = hf.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = hf | {k: v for k, v in text.items() if k not in ("model_type", "architectures")} | {
+        "rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    for file in path.iterdir():
+        if file.name != "config.json":
+            (tmp_path / file.name).symlink_to(file)
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    assert VisionLanguageModel.load(tmp_path).params == VisionLanguageModel.load(path).params
+    pixels, grids = _reference(IMAGES[:1])
+    tokens = _prompt(grids)
+    released = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert tiny.rel_error(VisionLanguageModel.load(tmp_path).logits(tokens, IMAGES[:1]),
+                          _reference_logits(released, tokens, pixels, grids)) <= 1e-4

@@ -70,8 +70,9 @@ class QwenVisionParams:
 
 
 def qwen25vl_config(family: str, hf: dict[str, Any]) -> ModelConfig:
-    tc = dict(require_key(hf, "text_config", "config.json"))
     vc = dict(require_key(hf, "vision_config", "config.json"))
+    # released checkpoints keep the text model's fields at the top (transformers moves them into text_config)
+    tc = dict(hf.get("text_config") or {k: v for k, v in hf.items() if k != "vision_config"})
     rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     sections = tuple(int(s) for s in rope.pop("mrope_section", (16, 24, 24)))
     if rope.get("rope_type", rope.get("type")) in ("mrope", "default", None):
