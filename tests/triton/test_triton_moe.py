@@ -81,12 +81,14 @@ def test_grouped_or_sigmoid_routing_stays_with_the_torch_ops(monkeypatch):
 
 def test_fused_experts_on_random_shapes():
     """Expert counts, widths (tile edges), tokens and slots drawn at random: the kernels find each pair's
-    expert through an address table, so a wrong index or edge mask would show here."""
+    expert through an address table, so a wrong index or edge mask would show here. Under the interpreter the
+    tiles are 16 columns by 64 inputs: widths up to 160 still end inside a tile and after two or more k steps,
+    at half the cost of widths up to 300 (the cost grows with width times inter)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(st.integers(1, 9), st.integers(1, 300), st.integers(1, 90), st.integers(1, 4), st.data())
+    @given(st.integers(1, 9), st.integers(1, 160), st.integers(1, 90), st.integers(1, 4), st.data())
     def check(count, d, inter, tokens, data):
         slots = data.draw(st.integers(1, count))
         gen = torch.Generator().manual_seed(count * 1000 + d)
