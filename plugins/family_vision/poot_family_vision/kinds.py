@@ -156,7 +156,10 @@ class QwenImages:
                   "vision_mask_w": w_mask, "reverse": lay.reverse}
         for kind, seg in (("window", lay.windows), ("image", lay.images)):
             inputs |= {f"{kind}_gather": seg.gather, f"{kind}_mask": seg.mask, f"{kind}_scatter": seg.scatter}
-        trace = lambda t: qwen25vl.trace_vision(vp, t, rows, lay.windows.shape, lay.images.shape)  # noqa: E731
+
+        def trace(t: Tracer) -> None:
+            qwen25vl.trace_vision(vp, t, rows, lay.windows.shape, lay.images.shape)
+
         return qwen25vl.vision_shape(rows), trace, inputs
 
     def prompt_inputs(self, tokens: list[int], layouts: Any) -> tuple[dict[str, np.ndarray], int]:

@@ -4,7 +4,8 @@ and the mmproj GGUF its converter writes with `--mmproj` (general.architecture "
 projection. The tower's tensors join the text model's weights under the names the vision step reads; the
 tower's parameters, the image mean and std, and the pooling (clip.vision.projector.scale_factor, llama.cpp's
 default 4 when absent) come from the file's metadata; the image tokens are the text vocabulary's
-`<start_of_image>`, `<image_soft_token>` and `<end_of_image>`, as Gemma 3's tokenizer spells them."""
+`<start_of_image>`, `<image_soft_token>` and `<end_of_image>`, as Gemma 3's tokenizer spells them.
+An mmproj file of Qwen2.5-VL (clip.projector_type qwen2.5vl_merger) is read by poot_family_vision.qwen25vl_gguf."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ prefill with the features spliced in at the image tokens, then plain decode step
 This runs on an executor directly (one sequence, contiguous KV; the prompt is prefilled in one step, so an
 image's tokens, which attend to each other both ways in Gemma 3, are never split); the driver's text-only paths
 serve the same checkpoint without images. A checkpoint is a Hugging Face directory, or llama.cpp's text GGUF
-with its mmproj GGUF (Gemma 3; poot_family_vision.mmproj).
+with its mmproj GGUF (Gemma 3, poot_family_vision.mmproj; Qwen2.5-VL, poot_family_vision.qwen25vl_gguf).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class VisionLanguageModel:
     # --- images ---------------------------------------------------------------------------------------
     def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[Any]]:
         """float32 [frames, 3, S, S] of all the images in order, as transformers' processor computes them, and
-        each image's layout (Idefics3: its (rows, cols) of tiles; Gemma 3: None)."""
+        each image's layout (Idefics3: its (rows, cols) of tiles; Gemma 3: its number of crops); Qwen2.5-VL:
+        the patches [L, 3 * 2 * 14 * 14] and each image's grid (1, h, w)."""
         done = [self.kind.frames(load_image(i)) for i in images]  # type: ignore[arg-type]
         return np.concatenate([np.stack(f) for f, _ in done]), [g for _, g in done]
 
