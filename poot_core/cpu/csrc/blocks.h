@@ -126,6 +126,43 @@ static inline __attribute__((always_inline)) void group_codes(const int t, const
     }
 }
 
+/* The 8-bit activations of one product (q8dot.c): m rows of k values quantized per 32, in one allocation:
+   q [m, k] int8; d [m, k / 32] scales; per 16 values ds = d * sum(q) and bs = sum(q) (int16); per 32 values
+   ds32 = d * sum(q). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds, *ds32;
+    int16_t *bs;
+    int64_t k;
+} q8x_t;
+
+/* a's arrays for m rows of k values; 0 when there is no memory (then a holds nothing to free). */
+static inline int q8x_alloc(q8x_t *a, int64_t m, int64_t k) {
+    const int64_t floats = m * k / 32 + m * k / 16 + m * k / 32;
+    char *mem = malloc(sizeof(float) * (size_t)floats + sizeof(int16_t) * (size_t)(m * k / 16) + (size_t)(m * k));
+    if (!mem) return 0;
+    a->d = (float *)mem;
+    a->ds = a->d + m * k / 32;
+    a->ds32 = a->ds + m * k / 16;
+    a->bs = (int16_t *)(a->ds32 + m * k / 32);
+    a->q = (int8_t *)(a->bs + m * k / 16);
+    a->k = k;
+    return 1;
+}
+
+static inline void q8x_free(q8x_t *a) { free(a->d); }
+
+/* The same activations from row r on: what a call over rows r.. of the same x would have. */
+static inline q8x_t q8x_from(const q8x_t *a, int64_t r) {
+    q8x_t b = *a;
+    b.q += r * a->k;
+    b.d += r * (a->k / 32);
+    b.ds += r * (a->k / 16);
+    b.bs += r * (a->k / 16);
+    b.ds32 += r * (a->k / 32);
+    return b;
+}
+
 #if POOT_AVX2
 /* 16 packed bytes as 32 nibbles: values 0-15 the low nibbles, 16-31 the high ones. */
 static inline __m256i nibbles32(const uint8_t *q) {
