@@ -2,8 +2,8 @@
 prefix cache. The blocks themselves are the executor's state buffers ([blocks, kv_heads, block_size, dim] per
 layer); this module only hands out their ids.
 
-A later kind of per-sequence state (a recurrent family's convolution window or SSM state: one fixed-size slot
-per layer and sequence) gets a pool of the same form next to this one.
+Recurrent state (a hybrid family's convolution windows and SSM states: one fixed-size slot per layer and running
+sequence) has its own pool of the same form next to this one (state_pool.py).
 """
 
 from __future__ import annotations
