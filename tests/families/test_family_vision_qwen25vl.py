@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from PIL import Image
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import qwen25vl as q25
@@ -219,3 +220,22 @@ def test_released_config_layout(checkpoint, tmp_path):
     released = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
     assert tiny.rel_error(VisionLanguageModel.load(tmp_path).logits(tokens, IMAGES[:1]),
                           _reference_logits(released, tokens, pixels, grids)) <= 1e-4
+
+
+def test_transparent_and_gray_images_as_the_processor_converts_them(checkpoint):
+    """RGBA and palette images with transparency are composited onto white, grayscale widened, as transformers'
+    convert_to_rgb does: pixel values equal the processor's."""
+    path, _ = checkpoint
+    rgba = IMAGES[0].convert("RGBA")
+    alpha = np.full((rgba.height, rgba.width), 255, np.uint8)
+    alpha[:, : rgba.width // 2] = 40  # half the image mostly transparent
+    rgba.putalpha(Image.fromarray(alpha))
+    palette = IMAGES[1].convert("P")
+    palette.info["transparency"] = 0
+    images = [rgba, palette, IMAGES[2].convert("L")]
+    ours, grids = VisionLanguageModel.load(path).frames(images)
+    ref, ref_grids = _reference(images)
+    assert grids == ref_grids
+    assert np.array_equal(ours, ref)
+    # the comparison can fail: dropping the alpha channel gives other pixels
+    assert not np.array_equal(VisionLanguageModel.load(path).frames([rgba.convert("RGB")])[0], _reference([rgba])[0])

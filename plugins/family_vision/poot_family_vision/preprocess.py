@@ -137,7 +137,17 @@ def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:
         image.load()
     except (OSError, UnidentifiedImageError, binascii.Error, ValueError) as exc:
         raise RequestError(f"unreadable image: {exc}") from exc
-    return image.convert("RGB") if image.mode != "RGB" else image
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """transformers' convert_to_rgb: transparency composited onto white, then RGB."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
