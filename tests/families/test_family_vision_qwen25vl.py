@@ -239,3 +239,26 @@ def test_transparent_and_gray_images_as_the_processor_converts_them(checkpoint):
     assert np.array_equal(ours, ref)
     # the comparison can fail: dropping the alpha channel gives other pixels
     assert not np.array_equal(VisionLanguageModel.load(path).frames([rgba.convert("RGB")])[0], _reference([rgba])[0])
+
+
+def test_in_memory_weight_names(checkpoint, tmp_path):
+    """A checkpoint saved under transformers 5's module names (model.language_model., model.visual.) reads the
+    same: logits match transformers loading that copy."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint
+    renames = (("model.", "model.language_model."), ("visual.", "model.visual."))
+    tensors = {}
+    for name, value in load_file(path / "model.safetensors").items():
+        new = next((to + name[len(old):] for old, to in renames if name.startswith(old)), name)
+        tensors[new] = value
+    assert "model.visual.patch_embed.proj.weight" in tensors and "lm_head.weight" in tensors
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for file in path.iterdir():
+        if file.name != "model.safetensors":
+            (tmp_path / file.name).symlink_to(file)
+    renamed = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    pixels, grids = _reference(IMAGES[:1])
+    tokens = _prompt(grids)
+    assert tiny.rel_error(VisionLanguageModel.load(tmp_path).logits(tokens, IMAGES[:1]),
+                          _reference_logits(renamed, tokens, pixels, grids)) <= 1e-4
