@@ -9,24 +9,41 @@ context keeps tokenizers that drop a leading space at the start of a decode hone
 What makes a push cheap without changing a character of the text: a decode is a pure function of its ids, so
 the decode of the window without the newest ids is kept from the push that made it, and the decode of one id
 (the window after every piece that came out whole, the common case) is remembered per tokenizer. A push is
-then one tokenizer decode of two ids where it used to be two decodes through the checked wrapper.
+then one tokenizer decode of two ids where it used to be two decodes through the checked wrapper. A byte-level
+decoder (GPT-2's, alone) decodes the bytes of all its tokens at once, replacing invalid UTF-8 by U+FFFD: after a
+window whose text holds no U+FFFD (its bytes are whole characters), the decode of the window and the new ids is
+that text followed by the decode of the new ids alone, so there a push decodes only the new id (remembered).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
 from poot_core.errors import RequestError
 
 CONTEXT = 4  # prompt ids kept before the first generated one
 
 
+def byte_level_only(decoder: Any) -> bool:
+    """Whether a tokenizers decoder is ByteLevel alone (or a Sequence of just it): its decode of ids is the
+    lossy UTF-8 decode of their bytes joined, so text of whole characters stays a prefix whatever follows."""
+    if decoder is None:
+        return False
+    state = json.loads(decoder.__getstate__())
+    while state.get("type") == "Sequence" and len(state.get("decoders", [])) == 1:
+        state = state["decoders"][0]
+    return state.get("type") == "ByteLevel"
+
+
 class WindowDecoder:
     """Decodes the short id windows of every stream of one tokenizer; the decode of a single id is kept."""
 
-    def __init__(self, decode: Callable[..., str], size: int) -> None:
+    def __init__(self, decode: Callable[..., str], size: int, byte_level: bool = False) -> None:
         self._decode = decode  # tokenizers.Tokenizer.decode
         self.size = size
+        self.byte_level = byte_level  # byte_level_only(the tokenizer's decoder)
         self._single: dict[int, str] = {}  # id -> its decode alone (at most the vocabulary's size)
 
     def check(self, ids: list[int]) -> None:
@@ -70,15 +87,19 @@ class StreamDecoder:
         ids = self._ids
         ids.append(token_id)
         before = self._text_before()
-        if not 0 <= token_id < self._window.size:
-            self._window.check([token_id])
-        now = self._window.decode(ids[self._prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
+        window = self._window
+        if not 0 <= token_id < window.size:
+            window.check([token_id])
+        if window.byte_level and "\ufffd" not in before:
+            added = window.decode(ids[self._read :])  # now == before + added (module note)
+        else:
+            added = window.decode(ids[self._prefix :])[len(before) :]
+        if added and not added.endswith("\ufffd"):
             # ids before the new prefix are never read again
             del ids[: self._read]
             self._prefix, self._read = 0, len(ids)
             self._before = None
-            return now[len(before) :]
+            return added
         return ""
 
     def flush(self) -> str:

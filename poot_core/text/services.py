@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from poot_core.errors import RequestError, TemplateError
-from poot_core.text.incremental import StreamDecoder, WindowDecoder
+from poot_core.text.incremental import StreamDecoder, WindowDecoder, byte_level_only
 from poot_core.text.vocab import Vocabulary
 
 __all__ = ["StreamDecoder", "TextServices"]
@@ -16,7 +16,8 @@ class TextServices:
         self.vocab = vocab
         self.tokenizer = vocab.tokenizer
         self._size = self.tokenizer.get_vocab_size(with_added_tokens=True)  # asked once: decode runs per token
-        self._windows = WindowDecoder(self.tokenizer.decode, self._size)  # shared by every stream of this model
+        # shared by every stream of this model
+        self._windows = WindowDecoder(self.tokenizer.decode, self._size, byte_level_only(self.tokenizer.decoder))
 
     # --- plain text -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:

@@ -134,3 +134,9 @@ def test_ids_outside_the_vocabulary_are_refused_as_a_decode_refuses_them() -> No
         services.stream([1, -1]).push(3)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         services.decode([1, size])
+
+
+def test_the_byte_level_shortcut_is_taken_for_byte_level_decoders_only() -> None:
+    """The kinds above exercise both paths of a push: a ByteLevel decoder alone (its shortcut) and the rest."""
+    byte_level = {kind for kind in KINDS if _services(kind)._windows.byte_level}
+    assert byte_level == {"deepseek-coder", "smollm2", "tiny-bpe"}
