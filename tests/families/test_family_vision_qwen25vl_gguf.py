@@ -2,10 +2,14 @@
 the converter's smallest; llama.cpp's window of 112 pixels, 4 x 4 merged tokens) through llama.cpp's own
 converter, text GGUF ("qwen2vl") + `--mmproj` GGUF, against transformers on the same weights: pixels equal the
 image processor's (its default bounds, as llama.cpp's file gives none), tower 1e-4, prompt logits 1e-4, chat
-prompt ids equal the processor's, greedy reply equal, `poot caption -m text.gguf --mmproj mmproj.gguf`."""
+prompt ids equal the processor's, greedy reply equal, `poot caption -m text.gguf --mmproj mmproj.gguf`; a Q8_0 text
+GGUF with the mmproj against transformers over the gguf package's dequantized weights."""
 
 from __future__ import annotations
 
+import copy
+
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -88,3 +92,50 @@ def test_text_gguf_alone_through_the_driver(pair):
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([tokens])).logits[0]
     assert tiny.rel_error(driver.logits(tokens), ref) <= 1e-4
+
+
+BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+TOP_NAMES = {"token_embd.weight": "model.language_model.embed_tokens.weight",
+             "output_norm.weight": "model.language_model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _dequantized(model, text_gguf):
+    """transformers' model with its text weights replaced by the gguf package's dequantization of the file's."""
+    ref = copy.deepcopy(model)
+    state = ref.state_dict()
+    for t in gguf.GGUFReader(text_gguf).tensors:
+        block = t.name.split(".")
+        if t.name in TOP_NAMES:
+            name = TOP_NAMES[t.name]
+        else:
+            name = f"model.language_model.layers.{block[1]}.{BLOCK_NAMES[block[2]]}.{block[3]}"
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        state[name].copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(state[name].shape))
+    return ref
+
+
+def test_quantized_text_gguf_with_the_mmproj(pair, tmp_path):
+    """A Q8_0 text GGUF (packed weights stay packed) beside the f32 mmproj: the prompt's logits match transformers
+    over the gguf package's dequantized weights, and are not the unquantized model's."""
+    text, mmproj, model, full = pair
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    full.tokenizer.save_pretrained(hf)
+    full.image_processor.save_pretrained(hf)
+    (tmp_path / "jobs").mkdir()
+    q8 = tmp_path / "jobs" / "text.gguf"
+    converted, _ = q25.llama_cpp_pair(tmp_path / "jobs", hf, text_type="q8_0", mmproj=False)
+    assert converted == q8
+    vlm = VisionLanguageModel.load(q8, mmproj=mmproj)
+    tokens, images = vlm.chat_prompt([{"role": "user", "content": _content()}])
+    ours = vlm.logits(tokens, images)
+    prompt = full.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT},
+                                                                   {"type": "image"}]}], add_generation_prompt=True)
+    inputs = full(text=[prompt], images=IMAGES, return_tensors="pt")
+    with torch.no_grad():
+        ref = _dequantized(model, q8)(**inputs).logits[0]
+        plain = model(**inputs).logits[0]
+    assert tiny.rel_error(ours, ref) <= 1e-4
+    assert tiny.rel_error(ours, plain) > tiny.rel_error(ours, ref) * 10

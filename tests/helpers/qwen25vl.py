@@ -82,16 +82,18 @@ def chat_checkpoint(path: Path, image_processor: Any = None, **shape: int) -> tu
     return path, model, full
 
 
-def llama_cpp_pair(path: Path, hf: Path) -> tuple[Path, Path]:
-    """llama.cpp's text GGUF and mmproj GGUF (f32) of the checkpoint `hf`, written under `path`."""
+def llama_cpp_pair(path: Path, hf: Path, text_type: str = "f32", mmproj: bool = True) -> tuple[Path, Path]:
+    """llama.cpp's text GGUF (of `text_type`) and mmproj GGUF (f32) of the checkpoint `hf`, written under `path`
+    (the text file alone without `mmproj`)."""
     from helpers.paths import TESTDATA, fetched
 
     converter = fetched(TESTDATA / "llama.cpp" / "convert" / "convert_hf_to_gguf.py").parent
-    text, mmproj = path / "text.gguf", path / "mmproj.gguf"
-    jobs = [{"src": str(hf), "outtype": "f32", "out": str(text)},
-            {"src": str(hf), "outtype": "f32", "out": str(mmproj), "args": ["--mmproj"]}]
+    text, vision = path / "text.gguf", path / "mmproj.gguf"
+    jobs = [{"src": str(hf), "outtype": text_type, "out": str(text)}]
+    if mmproj:
+        jobs.append({"src": str(hf), "outtype": "f32", "out": str(vision), "args": ["--mmproj"]})
     (path / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(converter),
                           str(path / "jobs.json")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    return text, mmproj
+    return text, vision
