@@ -142,8 +142,10 @@ def add_nextn_layer(path: Path, donor_dir: Path) -> Any:
     return donor
 
 
-def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
-    config = moe_config(arch)
+def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0, layers: int | None = None) -> Path:
+    """`layers`: fewer decoder layers than the config's 3; 2 still hold one dense and one MoE layer in every
+    family but mixtral (all MoE)."""
+    config = tiny.with_layers(moe_config(arch), layers)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config)
     tiny._randomize(model, seed)

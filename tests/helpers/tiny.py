@@ -92,16 +92,22 @@ def tiny_config(arch: str, vocab: int = 256) -> Any:
     raise ValueError(arch)
 
 
-def build(path: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int | None = None) -> Path:
-    """Save a tiny random `arch` checkpoint (weights in `dtype`) with its tokenizer into `path`; `layers`: fewer
-    decoder layers than the config's (tests whose kernels run in Triton's interpreter; not for gemma3)."""
-    import transformers as tf
-
-    config = tiny_config(arch)
+def with_layers(config: Any, layers: int | None) -> Any:
+    """`config` cut to its first `layers` decoder layers (None: as it is), with the per-layer attention types
+    qwen2/qwen3/gemma3 configs list (gemma3 needs 2 to keep one sliding and one full layer)."""
     if layers is not None:
-        if getattr(config, "layer_types", None):  # qwen2/qwen3 list one attention type per layer
+        if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
         config.num_hidden_layers = layers
+    return config
+
+
+def build(path: Path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int | None = None) -> Path:
+    """Save a tiny random `arch` checkpoint (weights in `dtype`) with its tokenizer into `path`; `layers`: fewer
+    decoder layers than the config's (tests whose kernels run in Triton's interpreter)."""
+    import transformers as tf
+
+    config = with_layers(tiny_config(arch), layers)
     classes = {"gemma3": tf.Gemma3ForCausalLM}
     model_cls = classes.get(arch, tf.AutoModelForCausalLM)
     torch.manual_seed(seed)
