@@ -76,8 +76,25 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
         for (int64_t i = 0; i < k / 32; i++) ds32[i] = ds[2 * i] + ds[2 * i + 1];
 }
 
-/* One weight row times m quantized x rows (m <= 4, a constant in each instantiation) on the per-32 grid. y[r * n]
-   gets row r's result. */
+#if POOT_AVX2
+/* Types whose codes are stored unsigned (maddubs takes them as they are): the Q4_0 / Q5_0 codes before their
+   offset of 8 / 16 is taken off, which q8_rows then takes off as offset * D * d_x * sum(q). */
+static inline int a_unsigned(int t) { return t == A_Q4_0 || t == A_Q4_1 || t == A_Q5_0 || t == A_Q5_1 || t == A_Q2_K; }
+
+/* group_codes_v, with Q4_0 and Q5_0 codes as stored (0-15, 0-31). */
+static inline __attribute__((always_inline)) __m256i group_codes_raw(const int t, const uint8_t *b, int g) {
+    if (t == A_Q4_0) return nibbles32(b + 2);
+    if (t == A_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        return _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bytes_of_bits(qh), _mm256_set1_epi8(16)));
+    }
+    return group_codes_v(t, b, g);
+}
+#endif
+
+/* One weight row times m quantized x rows (m <= 4, a constant in each instantiation). y[r * n] gets row r's
+   result. */
 static inline __attribute__((always_inline)) void q8_rows(const int t, const int m, const uint8_t *row, int64_t nb,
                                                           const q8x_t *a, float *y, int64_t n) {
     const int G = a_groups(t);
@@ -101,13 +118,20 @@ static inline __attribute__((always_inline)) void q8_rows(const int t, const int
         for (int g = 0; g < G; g++) {
             const int64_t gi = b * G + g;  /* the 32-value group's index in the row */
 #if POOT_AVX2
-            const __m256i cv = group_codes_v(t, blk, g), ac = _mm256_sign_epi8(cv, cv);
+            const __m256i cv = group_codes_raw(t, blk, g), ac = a_unsigned(t) ? cv : _mm256_sign_epi8(cv, cv);
             const __m256i s16 = a_sub16(t) ? _mm256_set_m128i(_mm_set1_epi16(sc.s[2 * g + 1]), _mm_set1_epi16(sc.s[2 * g]))
                                            : ones;
+            /* Q4_0 / Q5_0 codes are stored + 8 / + 16: the offset is a minimum of -8 D / -16 D */
+            const float offset = t == A_Q4_0 ? -8.0f * sc.D[0] : t == A_Q5_0 ? -16.0f * sc.D[0] : 0.0f;
             for (int r = 0; r < m; r++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(qx + r * k + gi * 32));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, _mm256_sign_epi8(q, cv)), s16);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, a_unsigned(t) ? q : _mm256_sign_epi8(q, cv)),
+                                                    s16);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc.D[g] * dx[r * (k / 32) + gi]), acc[r]);
+                /* 32-value blocks: one scalar term; the 256-value ones take theirs per block, below */
+                if (a_has_min(t) && G == 1) macc[r] += sc.M[0] * dxs32[r * (k / 32) + gi];
+                if (t == A_Q4_0 || t == A_Q5_0) macc[r] += offset * dxs32[r * (k / 32) + gi];
+            }
 #else
             group_codes(t, blk, g, c);
             for (int r = 0; r < m; r++) {
@@ -119,32 +143,22 @@ static inline __attribute__((always_inline)) void q8_rows(const int t, const int
                 }
                 const int32_t isum = a_sub16(t) ? sc.s[2 * g] * i0 + sc.s[2 * g + 1] * i1 : i0 + i1;
                 acc[r] += (float)isum * (sc.D[g] * dx[r * (k / 32) + gi]);
-#endif
-#if POOT_AVX2
-                /* 32-value blocks: one scalar term; the 256-value ones take theirs per block, below */
-                if (a_has_min(t) && G == 1) macc[r] += sc.M[0] * dxs32[r * (k / 32) + gi];
-#else
                 if (a_has_min(t)) {
                     const float *s = dxs + r * (k / 16) + 2 * gi;
                     macc[r] += sc.M[g] * ((float)sc.n[2 * g] * s[0] + (float)sc.n[2 * g + 1] * s[1]);
                 }
-#endif
             }
+#endif
         }
 #if POOT_AVX2
-        if (a_has_min(t) && G == 8) {
+        if (a_has_min(t) && G == 8) { /* Q2_K (Q4_K and Q5_K take k8_rows): a minimum per 16 values, times -dmin */
             for (int r = 0; r < m; r++) {
-                if (a_sub16(t)) { /* Q2_K: a minimum per 16 values, times -dmin */
-                    const float *s = dxs + r * (k / 16) + b * 16;
-                    const __m256 md = _mm256_set1_ps(sc.M[0]);
-                    const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)sc.n)));
-                    const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(sc.n + 8))));
-                    macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n0), _mm256_loadu_ps(s), macc8[r]);
-                    macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n1), _mm256_loadu_ps(s + 8), macc8[r]);
-                } else { /* Q4_K, Q5_K: a minimum per 32 values */
-                    macc8[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc.M), _mm256_loadu_ps(dxs32 + r * (k / 32) + b * 8),
-                                               macc8[r]);
-                }
+                const float *s = dxs + r * (k / 16) + b * 16;
+                const __m256 md = _mm256_set1_ps(sc.M[0]);
+                const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)sc.n)));
+                const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(sc.n + 8))));
+                macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n0), _mm256_loadu_ps(s), macc8[r]);
+                macc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(md, n1), _mm256_loadu_ps(s + 8), macc8[r]);
             }
         }
 #endif
@@ -167,8 +181,8 @@ static inline __attribute__((always_inline)) void k8_rows(const int t, const int
                                                           const q8x_t *a, float *y, int64_t n) {
     const int64_t size = A_BYTES[t], k = a->k, kg = k / 32;
     const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-    __m256 acc[4], macc[4];
-    for (int r = 0; r < m; r++) acc[r] = macc[r] = _mm256_setzero_ps();
+    __m256 acc[4][4], macc[4];  /* four sums a row (by the group's index mod 4): FMA latency, not one chain */
+    for (int r = 0; r < m; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * size;
         float sv[4][8] __attribute__((aligned(32)));  /* D_g * d_x of group g, per row */
@@ -200,7 +214,7 @@ static inline __attribute__((always_inline)) void k8_rows(const int t, const int
                     for (int r = 0; r < m; r++) {
                         const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + r * k + b * 256 + 32 * g));
                         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], q), sg);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sv[r][g]), acc[r]);
+                        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sv[r][g]), acc[r][j]);
                     }
                 }
             }
@@ -236,13 +250,17 @@ static inline __attribute__((always_inline)) void k8_rows(const int t, const int
                     const int8_t *q = a->q + r * k + b * 256 + 64 * c;
                     const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q)), ones);
                     const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 32))), ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_broadcast_ss(&sv[r][2 * c]), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_broadcast_ss(&sv[r][2 * c + 1]), acc[r]);
+                    acc[r][(2 * c) & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_broadcast_ss(&sv[r][2 * c]),
+                                                          acc[r][(2 * c) & 3]);
+                    acc[r][(2 * c + 1) & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_broadcast_ss(&sv[r][2 * c + 1]),
+                                                              acc[r][(2 * c + 1) & 3]);
                 }
             }
         }
     }
-    for (int r = 0; r < m; r++) y[r * n] = hsum8(_mm256_add_ps(acc[r], macc[r]));
+    for (int r = 0; r < m; r++)
+        y[r * n] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                                     _mm256_add_ps(acc[r][2], acc[r][3])), macc[r]));
 }
 #define POOT_K8(T) POOT_CASE_ROWS(T, m, k8_rows, row, nb, a, y, n)
 #else
