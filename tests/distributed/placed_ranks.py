@@ -32,9 +32,10 @@ def logits_and_tokens(coordinator: Coordinator, jobs: list[tuple[str, str, Any, 
     return out if coordinator.first else {}
 
 
-def fail_while_decoding(coordinator: Coordinator, path: str, placement: str, how: str) -> Any:
-    """The last rank exits ("die") or stops answering for a while ("hang") in the middle of a generation; the
-    others report what they raised, and how soon."""
+def fail_while_decoding(coordinator: Coordinator, path: str, placement: str, how: str, gave_up: str) -> Any:
+    """The last rank exits ("die") or stops answering ("hang") in the middle of a generation; the others
+    report what they raised, and how soon. A hanging rank stays silent for 4 timeouts, or until the first rank
+    has given up and touched the file `gave_up` (no need to sit out the rest of the silence)."""
     driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement(placement), open_executor("cpu"),
                            DriverOptions(**OPTIONS))
     steps = 0
@@ -43,15 +44,19 @@ def fail_while_decoding(coordinator: Coordinator, path: str, placement: str, how
         nonlocal steps
         steps += 1
         if steps == 3 and coordinator.last:
-            if how == "hang":
-                time.sleep(4 * coordinator.timeout)
+            until = time.monotonic() + 4 * coordinator.timeout
+            while how == "hang" and time.monotonic() < until and not Path(gave_up).exists():
+                time.sleep(0.05)
             os._exit(3)
 
     t0 = time.monotonic()
     try:
         driver.generate(GenerateRequest([5, 6, 7, 8], max_new=20, ignore_eos=True), on_token)
     except RankFailure as exc:
-        return {"error": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0}
+        seconds = time.monotonic() - t0
+        if coordinator.first:
+            Path(gave_up).touch()
+        return {"error": str(exc), "type": type(exc).__name__, "seconds": seconds}
     return {"error": None, "seconds": time.monotonic() - t0}
 
 

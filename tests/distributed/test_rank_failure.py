@@ -12,11 +12,11 @@ from poot_core.distributed import Coordinator, RankFailure
 
 
 @pytest.mark.parametrize(("placement", "how", "timeout"), [("tensor", "die", 30.0), ("pipeline", "hang", 4.0)])
-def test_a_failing_rank_fails_the_others(tiny_checkpoint, placement, how, timeout):
+def test_a_failing_rank_fails_the_others(tiny_checkpoint, tmp_path, placement, how, timeout):
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as err:
         Coordinator.spawn(2, placed_ranks.fail_while_decoding, str(tiny_checkpoint("llama")), placement, how,
-                          timeout=120.0, collective_timeout=timeout, threads=1)
+                          str(tmp_path / "gave-up"), timeout=120.0, collective_timeout=timeout, threads=1)
     assert "rank 1: exited with code 3 without a result" in str(err.value)
     survivor = err.value.results[0]
     assert survivor["type"] == "RankFailure" and "rank 0 of 2" in survivor["error"], survivor
