@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from helpers.gguf_blocks import QUANTIZABLE, quantized_blocks, random_blocks
 from poot_backend_vulkan.kernels import moe as moe_kernels
-from poot_backend_vulkan.kernels.linear import embed, linear
+from poot_backend_vulkan.kernels.linear import embed, gemv, linear
 from poot_backend_vulkan.kernels.runtime import Runtime, vulkan_adapters
 from poot_backend_vulkan.kernels.weights import FORMATS, upload_stack, upload_weight
 from poot_backend_vulkan.upload import WEIGHT_KINDS
@@ -102,3 +102,46 @@ def test_gathered_experts_read_packed_stacks(rt: Runtime, fmt: str) -> None:
         a, b = g_ref @ x[0], u_ref @ x[0]
         want += w * (d_ref @ (a / (1 + np.exp(-a)) * b))
     assert rel_err(rt.read(out)[0], want) < 1e-4
+
+
+ALL = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("reduce", ["tree", "subgroups", "splitk"])
+def test_one_token_gemv_of_every_layout(rt: Runtime, fmt: str, reduce: str) -> None:
+    """The packed one-token GEMV against gguf's dequantization: row counts that are not a multiple of a
+    workgroup's rows, and (for the 32-value blocks) rows of k not a multiple of 256."""
+    if reduce == "subgroups" and not rt.has_subgroups:
+        pytest.skip("the adapter has no subgroups")
+    short = 768 if FORMATS[fmt].block_values == 256 else 96
+    options = {"tree": {"subgroups": False}, "subgroups": {"subgroups": True, "warp": False},
+               "splitk": {"subgroups": False, "splits": 3}}[reduce]
+    for rows, cols in [(13, 512), (37, short)]:
+        data, dense = blocks(fmt, rows, cols, seed=rows)
+        x = np.random.default_rng(rows).standard_normal((1, cols)).astype(np.float32)
+        out = rt.empty((1, rows))
+        batch = rt.batch()
+        gemv(batch, rt.upload(x), upload_weight(rt, data, fmt, (rows, cols)), out, **options)
+        batch.submit()
+        assert rel_err(rt.read(out), x.astype(np.float64) @ dense.T) < 1e-5, (rows, cols)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "IQ4_NL"])
+def test_packed_concatenation_writes_its_parts(rt: Runtime, fmt: str) -> None:
+    """q/k/v stored one after another as packed rows: one gemv writes each part's output, and linear() of one
+    token on a single packed matrix (with a bias) takes the same path."""
+    cols, parts = 256, [(20, 0), (6, 1), (6, 2)]
+    datas, refs = zip(*(blocks(fmt, r, cols, seed=s) for r, s in parts), strict=True)
+    whole = upload_weight(rt, np.concatenate(datas), fmt, (sum(r for r, _ in parts), cols))
+    x = np.random.default_rng(5).standard_normal((1, cols)).astype(np.float32)
+    outs = [rt.empty((1, r)) for r, _ in parts]
+    bias = np.random.default_rng(6).standard_normal(parts[0][0]).astype(np.float32)
+    single = rt.empty((1, parts[0][0]))
+    batch = rt.batch()
+    gemv(batch, rt.upload(x), whole, outs)
+    linear(batch, rt.upload(x), upload_weight(rt, datas[0], fmt, (parts[0][0], cols)), single, bias=rt.upload(bias))
+    batch.submit()
+    for out, ref in zip(outs, refs, strict=True):
+        assert rel_err(rt.read(out), x.astype(np.float64) @ ref.T) < 1e-5
+    assert rel_err(rt.read(single), x.astype(np.float64) @ refs[0].T + bias) < 1e-5

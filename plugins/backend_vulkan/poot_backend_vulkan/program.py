@@ -202,8 +202,7 @@ class VulkanProgram:
         if found is None:
             return None
         names, whole = found
-        per_word = lin.GEMV_FORMATS.get(whole.fmt.name)
-        if weight != names[0] or per_word is None or whole.cols % per_word:
+        if weight != names[0] or not lin.has_gemv(whole):
             return None
         partners: dict[str, Node] = {}
         for at in self._shared_input.get(self._at, ()):

@@ -11,6 +11,9 @@ from .weights import DeviceWeight
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
 _GEMV_ROWS = 4  # must match ROWS in gemv.wgsl
 GEMV_FORMATS = {"bf16": 8, "f16": 8, "f32": 4}  # dense formats with a one-token shader: values per 16 bytes
+# GGUF layouts whose one-token product reads u32 words (dot_<fmt>.wgsl); the others dot their decode_unit
+WORD_DOTS = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+UNIT_VALUES = 32  # a packed GEMV's step: one 32-value unit (gemv_units.wgsl)
 # split-K: below this many row workgroups a GEMV's rows are also cut along K (not yet tuned on a GPU)
 SPLITK_GROUPS = 2048
 MAX_SPLITK = 8
@@ -36,7 +39,7 @@ def linear(
     check("linear.out", out, (tokens, weight.rows))
     if bias is not None:
         check("linear.bias", bias, (weight.rows,))
-    if tokens == 1 and weight.fmt.name in GEMV_FORMATS and weight.cols % GEMV_FORMATS[weight.fmt.name] == 0:
+    if tokens == 1 and has_gemv(weight):
         gemv(batch, x, weight, out, bias)
         return
     pipeline = _pipeline(batch, "linear", weight, bias is not None, one_token=tokens == 1)
@@ -51,6 +54,21 @@ def linear(
         batch.dispatch(pipeline, buffers, params, (gx, token_groups, gz))
 
 
+def has_gemv(weight: DeviceWeight) -> bool:
+    """Whether gemv() takes this matrix: a dense format with whole 16-byte words a row, or any packed layout."""
+    per_word = GEMV_FORMATS.get(weight.fmt.name)
+    return weight.fmt.block_values > 1 or (per_word is not None and weight.cols % per_word == 0)
+
+
+def _gemv_source(weight: DeviceWeight) -> tuple[str, int, int]:
+    """(shader source, values per step of a row's threads, fewest steps per split-K range) of a format."""
+    name = weight.fmt.name
+    if name in GEMV_FORMATS:
+        return shader_source("gemv", "gemv_words", f"gemv_{name}"), GEMV_FORMATS[name], 256
+    dot = f"dot_{name.lower()}" if name in WORD_DOTS else "dot_decoded"
+    return shader_source("gemv", "gemv_units", "bytes", *weight.fmt.sources(), dot), UNIT_VALUES, 128
+
+
 def gemv(
     batch: Batch,
     x: DeviceArray,
@@ -61,15 +79,15 @@ def gemv(
     warp: bool | None = None,
     splits: int | None = None,
 ) -> None:
-    """out[N] = W[N, K] @ x[K] (+ bias) for one token of dense weights, read as 16-byte words (gemv.wgsl).
+    """out[N] = W[N, K] @ x[K] (+ bias) for one token (gemv.wgsl): dense weights read as 16-byte words, GGUF
+    blocks a 32-value unit per thread and step.
 
     `out` may be a list of up to three arrays whose sizes add up to N: consecutive row ranges of W go to
     each (a q/k/v or gate/up concatenation in one dispatch; no bias then).
     subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes); with
     subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False.
     splits: cut each row's K into this many ranges, summed by a combine pass (None: split_count)."""
-    per_word = GEMV_FORMATS.get(weight.fmt.name)
-    if per_word is None or weight.cols % per_word:
+    if not has_gemv(weight):
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
     outs = list(out) if isinstance(out, list) else [out]
     if not 1 <= len(outs) <= 3 or (len(outs) > 1 and bias is not None):
@@ -87,7 +105,8 @@ def gemv(
     if use_warp and batch.runtime.subgroup_width != 32:
         raise Unsupported(Reason.OPERATION, "gemv warp", "the device's subgroups are not 32 lanes")
     flag = "WARP" if use_warp else "SUBGROUP" if use_subgroups else "TREE"
-    source = shader_source("gemv", f"gemv_{weight.fmt.name}").replace(f"//{flag} ", "")
+    source, per_word, min_span = _gemv_source(weight)
+    source = source.replace(f"//{flag} ", "")
     rows_per_group = _GEMV_ROWS
     if use_warp:
         rows_per_group = 256 // 32
@@ -95,7 +114,7 @@ def gemv(
         source = source.replace("const LANES: u32 = 64u;", "const LANES: u32 = 32u;")
     words = weight.cols // per_word
     if splits is None:
-        splits = split_count(-(-weight.rows // rows_per_group), words)
+        splits = split_count(-(-weight.rows // rows_per_group), words, min_span)
     if not 1 <= splits <= MAX_GROUPS:
         raise Unsupported(Reason.SHAPE, "gemv", f"{splits} splits of a row")
     span = -(-words // splits)
@@ -134,12 +153,13 @@ def _flags(source: str, variant: str, bias: bool, split: bool) -> tuple[str, str
     return source, variant
 
 
-def split_count(row_groups: int, words: int) -> int:
+def split_count(row_groups: int, words: int, min_span: int = 256) -> int:
     """Split-K for a GEMV with few row groups and long rows: enough workgroups to fill a large GPU
-    (SPLITK_GROUPS), each split at least 4 x 64 words of a row; 1 when the rows alone give enough."""
+    (SPLITK_GROUPS), each split at least `min_span` words of a row (4 x 64 16-byte words dense, 2 x 64 units
+    packed); 1 when the rows alone give enough."""
     if row_groups >= SPLITK_GROUPS:
         return 1
-    return max(1, min(SPLITK_GROUPS // row_groups, words // 256, MAX_SPLITK))
+    return max(1, min(SPLITK_GROUPS // row_groups, words // min_span, MAX_SPLITK))
 
 
 def embed(batch: Batch, table: DeviceWeight, ids: DeviceArray, out: DeviceArray, scale: float = 1.0) -> None:

@@ -9,7 +9,9 @@
 // split2 on to y3), so q/k/v or gate/up come out of one dispatch in their own buffers.
 // SPLITK: the row's words are cut into p.splits ranges of p.span words, one per workgroup z; each writes its
 // partial sum to y[z * p.total + n] and gemv_combine.wgsl adds them (bias and SPLIT outputs go there then).
-// `gemv_<fmt>.wgsl` supplies PER_WORD (values per 16-byte word) and word_dot(word, index).
+// The weight binding (1) and row_sum(row, first, end) come from gemv_words.wgsl (dense rows as 16-byte words,
+// with `gemv_<fmt>.wgsl`'s PER_WORD and word_dot) or gemv_units.wgsl (GGUF blocks, one 32-value unit a step,
+// PER_WORD = 32 and a `dot_<fmt>.wgsl` unit_dot); a `word` below is then one such unit.
 struct Params {
     rows: u32,
     cols: u32,
@@ -22,7 +24,6 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> wt: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 //BIAS @group(0) @binding(4) var<storage, read> bias: array<f32>;
@@ -47,20 +48,8 @@ fn main(
     let words = p.cols / PER_WORD;
     var acc = 0.0;
     if (row < p.rows) {
-        let base = (p.first_row + row) * words;
         let end = min(words, (wid.z + 1u) * p.span);
-        var i = wid.z * p.span + lane;
-        for (; i + 3u * LANES < end; i += 4u * LANES) {
-            let w0 = wt[base + i];
-            let w1 = wt[base + i + LANES];
-            let w2 = wt[base + i + 2u * LANES];
-            let w3 = wt[base + i + 3u * LANES];
-            acc += word_dot(w0, i) + word_dot(w1, i + LANES);
-            acc += word_dot(w2, i + 2u * LANES) + word_dot(w3, i + 3u * LANES);
-        }
-        for (; i < end; i += LANES) {
-            acc += word_dot(wt[base + i], i);
-        }
+        acc = row_sum(p.first_row + row, wid.z * p.span + lane, end);
     }
 //TREE partial[lid] = acc;
 //TREE workgroupBarrier();
