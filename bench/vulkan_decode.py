@@ -18,6 +18,7 @@ past the L2) so the step time can be split into matmul and the rest.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -139,7 +140,27 @@ def decode_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidt
         result.update(vulkan_step_profile(ex, dec, state, prompt + new // 2, nbytes))
         result["host_run_ms"] = host_run_ms(ex, dec, state, prompt, new)
         result["host_over_device"] = result["host_run_ms"] / result["device_step_ms"]
+        destroy_buffers(ex.runtime, weights, state)
     return result
+
+
+def destroy_buffers(runtime: Any, weights: Any, state: dict[str, Any]) -> None:
+    """Free a Vulkan model's device memory now (weights, KV state, scratch) instead of whenever the garbage
+    collector reaches the wgpu objects, so the next row (the CUDA one, the next model) finds it free."""
+    buffers = {id(c.buffer): c.buffer for w in weights.matrices.values() for c in w.chunks}
+    for stacks in weights.expert_tensors.values():
+        buffers.update((id(c.buffer), c.buffer) for s in stacks for c in s.weight.chunks)
+    buffers.update((id(v.buffer), v.buffer) for v in [*weights.vectors.values(), *state.values()])
+    buffers.update((id(b), b) for b in runtime._scratch.values())
+    for buffer in buffers.values():
+        buffer.destroy()
+
+
+def release() -> None:
+    """Drop the last model's objects (reference cycles included) and CUDA's cached blocks before the next row."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def host_run_ms(ex: Any, dec: Any, state: dict[str, Any], prompt: int, new: int) -> float:
@@ -164,8 +185,7 @@ def moe_run(backend: str, hf: dict[str, Any], prompt: int, new: int, bandwidth: 
     runs = {}
     for label, model in (("moe", hf), ("dense", gpu_moe.dense_twin(hf))):
         runs[label] = gpu_moe.run_model(model, open_executor(backend), device, prompt, new, 0, bandwidth / 1e9)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release()
     runs["moe_time_over_dense"] = runs["dense"]["decode_tok_s"] / runs["moe"]["decode_tok_s"]
     return runs
 
@@ -234,11 +254,12 @@ def kernel_profile(runtime: Any, bound: list[tuple[Any, Any, Any]], probe: Any) 
     return report
 
 
-def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
-    """Each projection shape of the model through the one-token bf16 GEMV, weights rotated past the L2."""
+def gemv_sweep(hf: dict[str, Any], bandwidth: float, fmt: str = "bf16") -> dict[str, Any]:
+    """Each projection shape of the model through the one-token GEMV of `fmt` (bf16 or a GGUF layout), weights
+    rotated past the L2."""
     from poot_backend_vulkan.kernels.linear import gemv
     from poot_backend_vulkan.kernels.runtime import Runtime
-    from poot_backend_vulkan.kernels.weights import upload_weight
+    from poot_backend_vulkan.kernels.weights import FORMATS, upload_weight
 
     rt = Runtime()
     d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
@@ -246,9 +267,13 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (v, d)}
     report = {}
     for label, (n, k) in shapes.items():
-        copies = max(1, int(240e6 // (n * k * 2)))
-        data = np.full((n, k), 0x3C23, dtype=np.uint16)  # the values do not change the time
-        ws = [upload_weight(rt, data, "bf16", (n, k)) for _ in range(copies)]
+        nbytes = n * FORMATS[fmt].row_bytes(k)
+        copies = max(1, int(240e6 // nbytes))
+        if fmt == "bf16":
+            data = np.full((n, k), 0x3C23, dtype=np.uint16)  # the values do not change the time
+        else:  # every byte 0x11: f16 scales of about 2e-4, small codes
+            data = np.full((n, nbytes // n), 0x11, dtype=np.uint8)
+        ws = [upload_weight(rt, data, fmt, (n, k)) for _ in range(copies)]
         x = rt.upload(np.ones((1, k), dtype=np.float32))
         out = rt.empty((1, n))
         reps = max(20, 3 * copies)
@@ -261,7 +286,6 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
             batch.submit()
             rt.read(out)
             seconds = (time.perf_counter() - t0) / reps
-        nbytes = n * k * 2
         report[label] = {
             "n": n,
             "k": k,
@@ -269,20 +293,28 @@ def gemv_sweep(hf: dict[str, Any], bandwidth: float) -> dict[str, Any]:
             "GBps": nbytes / seconds / 1e9,
             "floor_us": nbytes / bandwidth * 1e6,
         }
-        log(f"  vulkan gemv {label:8s} n={n:6d} k={k:5d}: {seconds * 1e6:8.1f} us {nbytes / seconds / 1e9:6.0f} GB/s")
+        log(f"  vulkan gemv {fmt} {label:8s} n={n:6d} k={k:5d}: {seconds * 1e6:8.1f} us "
+            f"{nbytes / seconds / 1e9:6.0f} GB/s")
+        for w in ws:
+            for chunk in w.chunks:
+                chunk.buffer.destroy()
         del ws
+    release()
     return report
 
 
 def run(backend: str, key: str, hf: dict[str, Any], kind: str, args: Any, bandwidth: float) -> dict[str, Any]:
-    if key == "qwen3moe":
-        return moe_run(backend, hf, args.prompt, args.new, bandwidth)
-    return decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
+    try:
+        if key == "qwen3moe":
+            return moe_run(backend, hf, args.prompt, args.new, bandwidth)
+        return decode_run(backend, hf, args.prompt, args.new, bandwidth, kind)
+    finally:
+        release()
 
 
 def llama8b_gemv(key: str, hf: dict[str, Any], entry: dict[str, Any], args: Any, bandwidth: float) -> None:
-    if key == "llama8b" and not args.smoke:
-        entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth)
+    if key in ("llama8b", "llama8b_q4k") and not args.smoke:
+        entry["vulkan_gemv"] = gemv_sweep(hf, bandwidth, "bf16" if key == "llama8b" else "Q4_K")
 
 
 def row(key: str, backend: str, r: dict[str, Any]) -> str:
