@@ -117,9 +117,11 @@ def dequantized_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0) -> Path:
+def build(path: Path, arch: str, dtype: torch.dtype, seed: int = 0, layers: int | None = None) -> Path:
+    """`layers`: fewer decoder layers than the config's; the first 2 of lfm2, granitemoehybrid and qwen3next hold
+    one recurrent and one attention layer."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hybrid_config(arch))
+    model = tf.AutoModelForCausalLM.from_config(tiny.with_layers(hybrid_config(arch), layers))
     tiny._randomize(model, seed)
     model.to(dtype).save_pretrained(path)
     tiny.save_tokenizer(path, TOKENIZER_SIZE)

@@ -96,7 +96,7 @@ def with_layers(config: Any, layers: int | None) -> Any:
     """`config` cut to its first `layers` decoder layers (None: as it is), with the per-layer attention types
     qwen2/qwen3/gemma3 configs list (gemma3 needs 2 to keep one sliding and one full layer)."""
     if layers is not None:
-        if getattr(config, "layer_types", None):
+        if config.__dict__.get("layer_types"):  # a stored list (Mamba2 derives its own)
             config.layer_types = config.layer_types[:layers]
         config.num_hidden_layers = layers
     return config

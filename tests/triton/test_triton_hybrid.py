@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
 
+from helpers import hybrid
 from helpers.triton_mode import interpreted
 from poot_core import Driver, DriverOptions, ModelHandle, StepShape, open_executor
 from poot_kernels_triton.executor import TritonExecutor
@@ -40,11 +42,13 @@ def rel(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_then_greedy_decode_match_cpu(hybrid_checkpoint, arch):
+def test_chunked_prefill_then_greedy_decode_match_cpu(tmp_path_factory, arch):
     """On the Triton executor: every position's logits of a prefill in chunks, then greedy decode steps from the
     state it left on the device. Against one CPU prefill of the whole sequence: all logits within 1e-4, and
-    each token the CPU's argmax after the tokens before it (so the tokens are the CPU's greedy ones)."""
-    path = hybrid_checkpoint(arch)
+    each token the CPU's argmax after the tokens before it (so the tokens are the CPU's greedy ones). Two
+    decoder layers, one recurrent and one attention layer (mamba2: two scans): the interpreter's cost is per
+    kernel launch."""
+    path = hybrid.build(tmp_path_factory.mktemp(arch), arch, torch.float32, layers=2)
     d = driver(path, triton_executor())
     rows = [d.logits(PROMPT)]
     tokens = [int(np.argmax(rows[-1][-1]))]
@@ -60,8 +64,6 @@ def test_chunked_prefill_then_greedy_decode_match_cpu(hybrid_checkpoint, arch):
 
 def test_recurrent_state_is_float32_on_the_executor(hybrid_checkpoint):
     """Recurrent state is kept in float32 beside bf16 KV (it sums the whole past), and counted as such."""
-    import torch
-
     handle = ModelHandle.load(hybrid_checkpoint("granitemoehybrid", torch.bfloat16))
     ex = triton_executor()
     d = Driver(handle, ex, DriverOptions(capacity=64, prefill_chunk=CHUNK))
