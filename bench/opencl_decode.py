@@ -6,8 +6,11 @@ the same loop (common.greedy_generate: prefill the prompt, then one token a step
 Reported per backend: decode tok/s, the bytes a step reads (every weight but the embedding table, plus the mean
 KV read) times tok/s as GB/s, and that against the measured copy bandwidth (the floor: the tok/s at which one
 step's bytes take the copy time). For OpenCL also the host time of one decode step's run() (enqueueing the bound
-kernels) and the kernels a step enqueues. Target on the H200 (NVIDIA's OpenCL driver): >= 50% of the copy
-bandwidth in bf16. The CUDA backend runs in the same process when CUDA is present.
+kernels) and the kernels a step enqueues, and where a step's time goes, from a separate timing pass on a
+profiling queue (never the timed loop): the host time of the enqueue loop alone, the wait after it, and the
+device time of the products (gemv/linear kernels) against every other kernel, by kernel name. Target on the
+H200 (NVIDIA's OpenCL driver): >= 50% of the copy bandwidth in bf16.
+The CUDA backend runs in the same process when CUDA is present.
 
     python bench/opencl_decode.py [--out results.json] [--models llama8b,llama8b_q4k] [--no-cuda] [--layers N]
     python bench/opencl_decode.py --smoke    # tiny shapes, a few tokens (pocl): checks the script only
@@ -30,14 +33,53 @@ MODELS = {"llama8b": (HF_LLAMA3_8B, "bfloat16"), "llama8b_q4k": (HF_LLAMA3_8B, "
 log = common.log
 
 
+PRODUCTS = ("gemv", "linear")  # the kernels of linear/logits products (cl/gemv.cl one token, cl/linear.cl)
+
+
+def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds: int = 5) -> dict[str, Any]:
+    """Where one decode step's time goes (medians over `rounds` steps at `position`): host ms of the enqueue loop
+    alone, host ms waiting for the queue after it, the device ms of every kernel summed by kernel name (from
+    profiling events), products against the rest."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    rt, step = ex.runtime, dec.step
+    enqueue, wait, per_name = [], [], {}
+    for _ in range(rounds):
+        dec.run(state, {"tokens": np.array([[1]]), "positions": np.array([[position]])})
+        rt.finish()
+        t0 = time.perf_counter()
+        events = [(launch.kernel.function_name, launch.enqueue(rt.queue)) for launch in step.launches]
+        t1 = time.perf_counter()
+        rt.finish()
+        enqueue.append(t1 - t0)
+        wait.append(time.perf_counter() - t1)
+        sums: dict[str, float] = {}
+        for name, event in events:
+            if event is not None:
+                sums[name] = sums.get(name, 0.0) + (event.profile.end - event.profile.start) * 1e-6
+        for name, ms in sums.items():
+            per_name.setdefault(name, []).append(ms)
+    kernels = {name: statistics.median(v) for name, v in per_name.items()}
+    products = sum(ms for name, ms in kernels.items() if name in PRODUCTS)
+    return {"enqueue_ms": 1e3 * statistics.median(enqueue), "wait_after_enqueue_ms": 1e3 * statistics.median(wait),
+            "device_ms": sum(kernels.values()), "products_ms": products,
+            "other_ms": sum(kernels.values()) - products, "kernel_ms": dict(sorted(kernels.items()))}
+
+
 def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str, prompt: int, new: int) -> None:
-    """The host time of one decode step's run() and its launch count, on a fresh program of the same model."""
-    from poot_core import open_executor
+    """The host time of one decode step's run(), its launch count and the step profile, on a fresh program of
+    the same model (a profiling queue: its events are read only in step_profile)."""
+    from poot_backend_opencl.executor import OpenCLExecutor
+    from poot_backend_opencl.kernels.runtime import Runtime
+
     from poot_family_llama.plugin import DenseDecoder
 
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
     config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    ex = open_executor("opencl")
+    ex = OpenCLExecutor(Runtime(profiling=True))
     store = vulkan_decode.RandomStore(vulkan_decode.llama_shapes(hf), kind)
     weights = ex.upload(store)
     program = common.step_programs(family, config, ex, weights, store.shapes(), prompt + new)
@@ -46,6 +88,7 @@ def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str,
     backend_result["host_run_ms"] = vulkan_decode.host_run_ms(ex, dec, state, prompt, new)
     backend_result["launches_per_step"] = len(dec.step.launches)
     backend_result["device"] = ex.capabilities().notes
+    backend_result["profile"] = step_profile(ex, dec, state, prompt + new // 2)
 
 
 def run(backend: str, key: str, hf: dict[str, Any], kind: str, args: Any, bandwidth: float) -> dict[str, Any]:
@@ -58,7 +101,12 @@ def run(backend: str, key: str, hf: dict[str, Any], kind: str, args: Any, bandwi
 def row(key: str, backend: str, r: dict[str, Any]) -> str:
     extra = ""
     if backend == "opencl":
-        extra = f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels"
+        p = r["profile"]
+        top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["kernel_ms"].items(), key=lambda kv: -kv[1])[:6])
+        extra = (f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels; timing pass: "
+                 f"enqueue {p['enqueue_ms']:.2f} ms + wait {p['wait_after_enqueue_ms']:.2f} ms, device "
+                 f"{p['device_ms']:.2f} ms = products {p['products_ms']:.2f} + rest {p['other_ms']:.2f} "
+                 f"(ms by kernel: {top})")
     return (f"{r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.1f} GB/s "
             f"({100 * r['fraction_of_copy_bandwidth']:.1f}% of copy; floor {r['floor_tok_s']:.0f} tok/s){extra}")
 

@@ -106,6 +106,29 @@ def test_dense_rows_with_a_tail_and_bias_match_cpu(rt, fmt):
     assert rel(read(rt, y), want.numpy()) < 1e-5
 
 
+@pytest.mark.parametrize(("fmt", "rows", "cols"), [
+    ("bf16", 7, 80), ("f16", 13, 88), ("f32", 5, 84), ("bf16", 6, 84), ("Q4_K", 13, 512), ("Q8_0", 9, 96),
+])
+def test_one_token_products_on_ragged_shapes(rt, fmt, rows, cols):
+    """One token through cl/gemv.cl: rows not a multiple of a work-group's rows, a dense row's tail past its
+    8-value units (84 f32), a bf16 row not 16-byte aligned (84: cl/linear.cl instead), with a bias; an expert's
+    product gives 0 when the token did not choose it. Reference: float64 over the stored values."""
+    data, values = stored(fmt, rows, cols, seed=rows + cols)
+    w = device_weight(rt, data, fmt, rows, cols)
+    assert (ops.gemv_shape(rt, w) is None) == (fmt == "bf16" and cols == 84)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    y = empty(rt, 1, rows)
+    run(rt, ops.linear(rt, w, arr(rt, x), y, 1, bias=arr(rt, bias)))
+    assert rel(read(rt, y), x.astype(np.float64) @ values.astype(np.float64).T + bias) < 1e-5
+    for chosen in (0.0, 0.5):
+        gated = arr(rt, np.full((1, rows), 7.0, dtype=np.float32))
+        run(rt, ops.linear(rt, w, arr(rt, x), gated, 1, gate=(arr(rt, np.array([[1.0, chosen]], np.float32)), 2, 1)))
+        want = np.zeros((1, rows)) if chosen == 0.0 else x.astype(np.float64) @ values.astype(np.float64).T
+        assert rel(read(rt, gated), want) < 1e-5 if chosen else not read(rt, gated).any()
+
+
 def test_expert_gate_skips_unchosen_tokens(rt):
     """An expert's product (gate column e of the routing weights): tokens that did not choose it give 0."""
     rows, cols, tokens = 4, 64, 10

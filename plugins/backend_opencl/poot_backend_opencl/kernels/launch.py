@@ -82,9 +82,11 @@ class Launch:
         for i, name in self.slots:
             self.kernel.set_arg(i, state[name])
 
-    def enqueue(self, queue: Any) -> None:
+    def enqueue(self, queue: Any) -> Any:
+        """The kernel's event (None for an empty range); the step drops it, a profiling pass reads it."""
         if all(self.global_size):
-            self.runtime.cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
+            return self.runtime.cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
+        return None
 
 
 def rounded(n: int, multiple: int = 64) -> int:

@@ -32,20 +32,45 @@ def row_bytes(fmt: str, cols: int) -> int:
     return cols // values * nbytes
 
 
-def format_sources(fmt: str) -> tuple[str, ...]:
+def format_sources(fmt: str, kernels: str = "linear") -> tuple[str, ...]:
     if fmt not in FORMATS:
         raise Unsupported(Reason.QUANTIZATION, fmt, f"the OpenCL kernels read {', '.join(FORMATS)}")
-    return ("common", *_HELPERS.get(fmt, ()), f"fmt_{fmt.lower()}", "linear")
+    return ("common", *_HELPERS.get(fmt, ()), f"fmt_{fmt.lower()}", kernels)
 
 
 def _k(rt: Runtime, sources: tuple[str, ...], name: str, **defines: Any) -> Any:
     return rt.kernel(sources, name, **defines)
 
 
+def gemv_shape(rt: Runtime, w: DeviceWeight) -> tuple[int, int] | None:
+    """(work-group size, rows a work-group) of cl/gemv.cl for one-token products of `w`, or None where it does
+    not apply (a dense row not 16-byte aligned, read by cl/linear.cl instead). Dense rows take 64 work-items
+    each (8 values a 16-byte load), GGUF rows 32 (a 32-value piece each); the group is what the device allows
+    for the built kernel (its registers can lower the device's limit)."""
+    dense = FORMATS[w.fmt][0] == 1
+    if dense and (w.row_bytes % 16 or w.cols < 8):
+        return None
+    group = rt.limits.gemv_group
+    while True:
+        lanes = min(64 if dense else 32, group)
+        kernel = _k(rt, format_sources(w.fmt, "gemv"), "gemv", GEMV_GROUP=group, GEMV_ROWS=group // lanes)
+        allowed = kernel.get_work_group_info(rt.cl.kernel_work_group_info.WORK_GROUP_SIZE, rt.device)
+        if allowed >= group or group <= 16:
+            return group, group // lanes
+        group //= 2
+
+
 def linear(rt: Runtime, w: DeviceWeight, x: Arr, y: Arr, tokens: int, bias: Arr | None = None,
            gate: tuple[Arr, int, int] | None = None) -> Launch:
-    """y[t, :] = W x[t] (+ bias); `gate` = (weights [tokens, experts], experts, e): an expert's product."""
+    """y[t, :] = W x[t] (+ bias); `gate` = (weights [tokens, experts], experts, e): an expert's product.
+    One token: cl/gemv.cl where the layout allows; otherwise (and for several tokens) cl/linear.cl."""
     g, stride, col = gate if gate is not None else (rt.dummy, 0, -1)
+    shape = gemv_shape(rt, w) if tokens == 1 else None
+    if shape is not None:
+        group, rows = shape
+        kernel = _k(rt, format_sources(w.fmt, "gemv"), "gemv", GEMV_GROUP=group, GEMV_ROWS=rows)
+        return Launch(rt, kernel, (-(-w.rows // rows) * group,), (group,),
+                      [w, w.row_bytes, w.row0, x, w.cols, w.rows, y, 0, bias or rt.dummy, bias is not None, g, col])
     kernel = _k(rt, format_sources(w.fmt), "linear")
     group = rt.limits.group
     return Launch(rt, kernel, (w.rows * group, -(-tokens // TILE)), (group, 1),

@@ -18,6 +18,7 @@ from poot_core.errors import CapacityError, Reason, Unsupported
 
 CPU_TYPE = 2  # CL_DEVICE_TYPE_CPU (pyopencl.device_type.CPU), kept here so the probe needs no enum lookups
 GROUP = 64  # the work-group size the kernels are written for, when the device allows it
+GEMV_GROUP = 256  # the one-token products' work-groups (cl/gemv.cl): several rows each, when the device allows it
 
 
 def opencl_devices() -> list[Any]:
@@ -58,6 +59,7 @@ class Limits:
     """What the kernels need to know of the device, read once."""
 
     group: int  # work-group size of the reduction kernels (a power of two)
+    gemv_group: int  # work-group size of the one-token products (a power of two, >= group)
     local_bytes: int
     max_alloc: int
     fp16: bool  # cl_khr_fp16 (arithmetic in half); f16 weights are read with vload_half, core OpenCL
@@ -66,10 +68,11 @@ class Limits:
     @classmethod
     def of(cls, device: Any) -> Limits:
         limit = int(device.max_work_group_size)
-        group = min(GROUP, 1 << int(math.log2(max(limit, 1))))
+        largest = 1 << int(math.log2(max(limit, 1)))
+        group = min(GROUP, largest)
         extensions = device.extensions.split()
-        return cls(group, int(device.local_mem_size), int(device.max_mem_alloc_size), "cl_khr_fp16" in extensions,
-                   "cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions)
+        return cls(group, min(GEMV_GROUP, largest), int(device.local_mem_size), int(device.max_mem_alloc_size),
+                   "cl_khr_fp16" in extensions, "cl_khr_subgroups" in extensions or "cl_intel_subgroups" in extensions)
 
 
 @functools.cache
@@ -78,7 +81,8 @@ def kernel_source(name: str) -> str:
 
 
 class Runtime:
-    def __init__(self, device: Any | None = None) -> None:
+    def __init__(self, device: Any | None = None, profiling: bool = False) -> None:
+        """`profiling`: a queue whose events carry device times (a benchmark's timing pass)."""
         import pyopencl as cl
 
         self.cl = cl
@@ -95,7 +99,8 @@ class Runtime:
                               f"{self.limits.group} and {self.limits.local_bytes} bytes of local memory; the "
                               "kernels need 16 and 4096")
         self.context = cl.Context([device])
-        self.queue = cl.CommandQueue(self.context)
+        props = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
+        self.queue = cl.CommandQueue(self.context, properties=props)
         self._programs: dict[tuple[tuple[str, ...], tuple[tuple[str, Any], ...]], Any] = {}
         self._dummy: Any | None = None
 
