@@ -12,6 +12,7 @@ changing uniform is refilled from it each step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -157,19 +158,49 @@ class RecordedStep:
 
     def encode_into(self, encoder: Any, slots: dict[str, Any]) -> None:
         compute = encoder.begin_compute_pass()
+        bound = self.bind(slots)
+        raw = _native_pass_calls()
         current = None
-        for pipeline, group, grid in self.bind(slots):
-            if pipeline is not current:
-                compute.set_pipeline(pipeline)
-                current = pipeline
-            compute.set_bind_group(0, group)
-            compute.dispatch_workgroups(*grid)
+        if raw is not None and hasattr(compute, "_internal"):
+            # wgpu-native's C calls directly: wgpu-py's wrappers (offset lists, error capture per call) cost about
+            # as much again as the encoding itself; an encoding error still surfaces at encoder.finish(). The
+            # pipelines and bind groups stay alive in self._bound.
+            set_pipeline, set_bind_group, dispatch, null = raw
+            handle = compute._internal
+            for pipeline, group, (gx, gy, gz) in bound:
+                if pipeline is not current:
+                    set_pipeline(handle, pipeline._internal)
+                    current = pipeline
+                set_bind_group(handle, 0, group._internal, 0, null)
+                dispatch(handle, gx, gy, gz)
+        else:
+            for pipeline, group, grid in bound:
+                if pipeline is not current:
+                    compute.set_pipeline(pipeline)
+                    current = pipeline
+                compute.set_bind_group(0, group)
+                compute.dispatch_workgroups(*grid)
         compute.end()
 
     def encode(self, encoder: Any, start: int, slots: dict[str, Any]) -> None:
         """Refill the position-dependent uniforms for `start`, then encode every dispatch in one pass."""
         self.write_uniforms(start)
         self.encode_into(encoder, slots)
+
+
+@functools.cache
+def _native_pass_calls() -> tuple[Any, Any, Any, Any] | None:
+    """(set pipeline, set bind group, dispatch, NULL) of wgpu-native's compute pass, or None when wgpu runs
+    on another backend or its module layout changed (the public calls are used then)."""
+    try:
+        from wgpu.backends.wgpu_native._api import ffi, lib
+    except ImportError:
+        return None
+    names = ("wgpuComputePassEncoderSetPipeline", "wgpuComputePassEncoderSetBindGroup",
+             "wgpuComputePassEncoderDispatchWorkgroups")
+    if not all(hasattr(lib, name) for name in names):
+        return None
+    return (*(getattr(lib, name) for name in names), ffi.NULL)
 
 
 def _affine(a: bytes, b: bytes, start: int, span: int) -> tuple[np.ndarray, np.ndarray]:
