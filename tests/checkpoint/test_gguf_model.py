@@ -23,8 +23,9 @@ def handle():
 
 @pytest.fixture(scope="module")
 def reference():
-    path = smollm.gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+    """transformers on the same file: its own GGUF loader's float32 weights, as saved once into .cache/models
+    (smollm.safetensors_copy; the family tests share the copy, so the file is dequantized once per clone)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm.safetensors_copy(torch.float32),
                                                              dtype=torch.float32).eval()
 
 
