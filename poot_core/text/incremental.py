@@ -13,13 +13,23 @@ then one tokenizer decode of two ids where it used to be two decodes through the
 decoder (GPT-2's, alone) decodes the bytes of all its tokens at once, replacing invalid UTF-8 by U+FFFD: after a
 window whose text holds no U+FFFD (its bytes are whole characters), the decode of the window and the new ids is
 that text followed by the decode of the new ids alone, so there a push decodes only the new id (remembered).
+
+A decoder that ends in a clean-up of spaces (llama.cpp's GGUF BPE and WordPiece tokenizers: Replace " ." -> "."
+and the like after the tokens are joined) changes text across tokens: " '" then "s" gives "'s", so a shown
+space can be taken back. There the window decodes without the clean-up (the raw text, prefix-stable as above)
+and `SpaceCleanup` shows the raw text cleaned up to the last point no later text can change, holding the rest
+until the next piece (or flush) decides it. The clean-up starts afresh at the first generated character: the
+prompt's text is not the stream's to change.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
+
+from tokenizers import decoders
 
 from poot_core.errors import RequestError
 
@@ -37,14 +47,91 @@ def byte_level_only(decoder: Any) -> bool:
     return state.get("type") == "ByteLevel"
 
 
+JOINS = {"ByteLevel", "Fuse"}  # decoders that make one text of all the tokens: a Replace after them sees it whole
+
+
+def split_cleanup(decoder: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """(the decoder without its clean-up, the clean-up's (old, new) string replacements in order): the clean-up
+    is the Replace steps that end a Sequence after its last joining step. ([] and the decoder when none.)"""
+    if decoder is None:
+        return decoder, []
+    state = json.loads(decoder.__getstate__())
+    chain = state.get("decoders", []) if state.get("type") == "Sequence" else []
+    joins = [i for i, step in enumerate(chain) if step.get("type") in JOINS]
+    tail = chain[joins[-1] + 1 :] if joins else []
+    pairs = [(step.get("pattern", {}).get("String"), step.get("content")) for step in tail]
+    if not tail or any(s.get("type") != "Replace" or not isinstance(o, str) or not isinstance(n, str)
+                       for s, (o, n) in zip(tail, pairs, strict=True)):
+        return decoder, []
+    head = decoders.Sequence([])
+    head.__setstate__(json.dumps({"type": "Sequence", "decoders": chain[: joins[-1] + 1]}).encode())
+    return head, pairs  # type: ignore[return-value]
+
+
+class SpaceCleanup:
+    """A decoder's trailing string replacements, applied to a stream's raw text as it grows.
+
+    split(raw) cuts raw text where the clean-up of the whole text is the clean-up of the part before the cut
+    followed by that of the rest, whatever comes later: a cut is such a point when, at every replacement step
+    (applied in order to the part before it), that part does not end in a proper prefix of the step's pattern
+    (no match of the step can then reach across the cut). Sound for any string patterns; cuts are tried at the
+    end, then before each of the last characters (a held tail is a few characters: patterns are short).
+    """
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self._steps = [(old, new, tuple(old[:k] for k in range(1, len(old)))) for old, new in pairs if old]
+        self._any = re.compile("|".join(re.escape(old) for old, _, _ in self._steps))
+        self._heads = tuple({h for _, _, heads in self._steps for h in heads})
+
+    def apply(self, text: str) -> str:
+        for old, new, _ in self._steps:
+            text = text.replace(old, new)
+        return text
+
+    def _before(self, text: str) -> str | None:
+        """The clean-up of `text` when the end of `text` is a cut (see the class note), else None."""
+        for old, new, heads in self._steps:
+            if text.endswith(heads):
+                return None
+            text = text.replace(old, new)
+        return text
+
+    def split(self, raw: str) -> tuple[str, str]:
+        """(the cleaned text of raw up to the last cut, the raw text after it, held)."""
+        if not raw.endswith(self._heads) and self._any.search(raw) is None:
+            return raw, ""  # no step changes raw, and no step's pattern can start at its end
+        for n in range(len(raw), -1, -1):  # the held tail is short: a cut comes within a few characters
+            shown = self._before(raw[:n])
+            if shown is not None:
+                return shown, raw[n:]
+        return "", raw  # not reached: n == 0 is a cut
+
+
 class WindowDecoder:
     """Decodes the short id windows of every stream of one tokenizer; the decode of a single id is kept."""
 
-    def __init__(self, decode: Callable[..., str], size: int, byte_level: bool = False) -> None:
-        self._decode = decode  # tokenizers.Tokenizer.decode
+    def __init__(self, decode: Callable[..., str], size: int, byte_level: bool = False,
+                 cleanup: SpaceCleanup | None = None) -> None:
+        self._decode = decode  # tokenizers.Tokenizer.decode, or raw_decode(its decoder without the clean-up)
         self.size = size
-        self.byte_level = byte_level  # byte_level_only(the tokenizer's decoder)
+        self.byte_level = byte_level  # byte_level_only(the decoder decode uses)
+        self.cleanup = cleanup  # the clean-up decode leaves out, applied by the streams
         self._single: dict[int, str] = {}  # id -> its decode alone (at most the vocabulary's size)
+
+    @classmethod
+    def of(cls, tokenizer: Any, size: int) -> WindowDecoder:
+        """The window decoder of a tokenizers.Tokenizer: with its clean-up of spaces split off, when it has one."""
+        head, pairs = split_cleanup(tokenizer.decoder)
+        if not pairs:
+            return cls(tokenizer.decode, size, byte_level_only(tokenizer.decoder))
+        tokens: dict[int, str] = {}
+
+        def raw_decode(ids: list[int], skip_special_tokens: bool = False) -> str:
+            # Tokenizer.decode (no tokens skipped) is the decoder over the ids' tokens, added ones included
+            names = [tokens.get(i) or tokens.setdefault(i, tokenizer.id_to_token(i)) for i in ids]
+            return head.decode(names)
+
+        return cls(raw_decode, size, byte_level_only(head), SpaceCleanup(pairs))
 
     def check(self, ids: list[int]) -> None:
         """The error TextServices.decode gives for ids outside the vocabulary."""
@@ -73,6 +160,7 @@ class StreamDecoder:
         self._read = len(self._ids)
         self._before: str | None = None  # decode of ids[prefix:read], kept until the offsets move
         self._context_checked = False  # context ids are checked at the first decode, as a decode of them would
+        self._held = ""  # raw text the clean-up may still change (decoders with a clean-up only)
 
     def _text_before(self) -> str:
         if self._before is None:
@@ -99,6 +187,9 @@ class StreamDecoder:
             del ids[: self._read]
             self._prefix, self._read = 0, len(ids)
             self._before = None
+            if window.cleanup is not None:
+                shown, self._held = window.cleanup.split(self._held + added)
+                return shown
             return added
         return ""
 
@@ -109,4 +200,8 @@ class StreamDecoder:
         del self._ids[:]
         self._prefix = self._read = 0
         self._before = None
-        return now[len(before) :]
+        tail = now[len(before) :]
+        cleanup = self._window.cleanup
+        if cleanup is not None:
+            tail, self._held = cleanup.apply(self._held + tail), ""
+        return tail

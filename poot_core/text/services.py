@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from poot_core.errors import RequestError, TemplateError
-from poot_core.text.incremental import StreamDecoder, WindowDecoder, byte_level_only
+from poot_core.text.incremental import StreamDecoder, WindowDecoder
 from poot_core.text.vocab import Vocabulary
 
 __all__ = ["StreamDecoder", "TextServices"]
@@ -17,7 +17,7 @@ class TextServices:
         self.tokenizer = vocab.tokenizer
         self._size = self.tokenizer.get_vocab_size(with_added_tokens=True)  # asked once: decode runs per token
         # shared by every stream of this model
-        self._windows = WindowDecoder(self.tokenizer.decode, self._size, byte_level_only(self.tokenizer.decoder))
+        self._windows = WindowDecoder.of(self.tokenizer, self._size)
 
     # --- plain text -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True) -> list[int]:
