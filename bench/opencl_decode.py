@@ -33,7 +33,7 @@ MODELS = {"llama8b": (HF_LLAMA3_8B, "bfloat16"), "llama8b_q4k": (HF_LLAMA3_8B, "
 log = common.log
 
 
-PRODUCTS = ("gemv", "linear")  # the kernels of linear/logits products (cl/gemv.cl one token, cl/linear.cl)
+PRODUCTS = ("gemv", "gemv3", "linear")  # linear/logits products: cl/gemv.cl (one token), cl/linear.cl
 
 
 def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds: int = 5) -> dict[str, Any]:

@@ -129,6 +129,24 @@ def test_one_token_products_on_ragged_shapes(rt, fmt, rows, cols):
         assert rel(read(rt, gated), want) < 1e-5 if chosen else not read(rt, gated).any()
 
 
+@pytest.mark.parametrize(("fmt", "counts"), [("bf16", (7, 3, 5)), ("Q4_K", (13, 4)), ("Q6_K", (9, 9, 2))])
+def test_joint_one_token_products(rt, fmt, counts):
+    """Two or three matrices of one x in one launch (q/k/v, gate/up), rows not a multiple of a work-group's
+    rows, a bias on the second only; each output against float64 over its stored values."""
+    cols = 256
+    rng = np.random.default_rng(len(counts))
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    stores = [stored(fmt, rows, cols, seed=i + rows) for i, rows in enumerate(counts)]
+    ws = [device_weight(rt, data, fmt, rows, cols) for (data, _), rows in zip(stores, counts, strict=True)]
+    biases = [None, rng.standard_normal(counts[1]).astype(np.float32), None][: len(counts)]
+    ys = [empty(rt, 1, rows) for rows in counts]
+    assert ops.fusable(rt, ws)
+    run(rt, ops.linear_many(rt, ws, arr(rt, x), ys, [None if b is None else arr(rt, b) for b in biases]))
+    for (_, values), y, b in zip(stores, ys, biases, strict=True):
+        want = x.astype(np.float64) @ values.astype(np.float64).T + (0.0 if b is None else b)
+        assert rel(read(rt, y), want) < 1e-5
+
+
 def test_expert_gate_skips_unchosen_tokens(rt):
     """An expert's product (gate column e of the routing weights): tokens that did not choose it give 0."""
     rows, cols, tokens = 4, 64, 10

@@ -63,6 +63,8 @@ class OpenCLProgram:
         self._fused_adds: dict[str, tuple[Arr, Arr]] = {}
         self._rope_tables: dict[str, tuple[Arr, float]] = {}
         self._ropes: dict[str, tuple[Node, int]] = {}  # rope output -> (node, index of its launch)
+        # the one-token products joined so far: (x's name, node index, [(w, out, bias)], index of their launch)
+        self._linear_run: tuple[str, int, list[tuple[DeviceWeight, Arr, Arr | None]], int] | None = None
         launches: list[Launch] = []
         self._launches = launches
         dispatch: passes.Dispatch[list[Launch]] = passes.Dispatch(self, "opencl")
@@ -137,9 +139,26 @@ class OpenCLProgram:
         return [ops.rms_norm(self.rt, x, w, out, tokens, width, eps, offset)]
 
     def op_linear(self, node: Node) -> list[Launch]:
+        """A one-token product right after another of the same x (q, k, v; gate, up) joins its launch
+        (ops.linear_many, up to three) when only reshapes lie between them. Safe for the buffer pool: a reshape
+        keeps its input's buffer alive (an alias), so no buffer is released between the products and the later
+        output's buffer is free where the joint launch runs."""
         x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
         out = self._new(node)
-        return [ops.linear(self.rt, w, x, out, self._rows(x, w.cols, node), bias=b)]
+        tokens = self._rows(x, w.cols, node)
+        run = self._linear_run
+        between = self.graph.nodes[run[1] + 1 : self._at] if run is not None else []
+        if (tokens == 1 and run is not None and run[0] == node.inputs[0].name
+                and all(n.op == "reshape" for n in between)):
+            members = [*run[2], (w, out, b)]
+            ws = [m[0] for m in members]
+            if ops.fusable(self.rt, ws):
+                self._launches[run[3]] = ops.linear_many(self.rt, ws, x, [m[1] for m in members],
+                                                         [m[2] for m in members])
+                self._linear_run = (run[0], self._at, members, run[3]) if len(members) < 3 else None
+                return []
+        self._linear_run = (node.inputs[0].name, self._at, [(w, out, b)], len(self._launches)) if tokens == 1 else None
+        return [ops.linear(self.rt, w, x, out, tokens, bias=b)]
 
     def op_logits(self, node: Node) -> list[Launch]:
         x, w = self._value(node, 0), self._matrix(node, 1)

@@ -78,6 +78,31 @@ def linear(rt: Runtime, w: DeviceWeight, x: Arr, y: Arr, tokens: int, bias: Arr 
                    g, stride, col])
 
 
+def fusable(rt: Runtime, ws: list[DeviceWeight]) -> bool:
+    """Whether one-token products of `ws` (2 or 3 matrices of one x) can share one cl/gemv.cl launch: one
+    format and width, each read by gemv."""
+    first = ws[0]
+    return (2 <= len(ws) <= 3 and all(w.fmt == first.fmt and w.cols == first.cols and w.row_bytes == first.row_bytes
+                                      for w in ws) and gemv_shape(rt, first) is not None)
+
+
+def linear_many(rt: Runtime, ws: list[DeviceWeight], x: Arr, ys: list[Arr], biases: list[Arr | None]) -> Launch:
+    """One token's products of 2 or 3 matrices with the same x (q/k/v, gate/up) in one launch (cl/gemv.cl
+    gemv3); each matrix stays in its own buffer and writes its own output. Check `fusable` first."""
+    shape = gemv_shape(rt, ws[0])
+    assert shape is not None and fusable(rt, ws)
+    group, per = shape
+    kernel = _k(rt, format_sources(ws[0].fmt, "gemv"), "gemv3", GEMV_GROUP=group, GEMV_ROWS=per)
+    pad = 3 - len(ws)  # two matrices: the third range is empty
+    rows = [w.rows for w in ws] + [0] * pad
+    ws, ys, biases = [*ws, *[ws[0]] * pad], [*ys, *[ys[0]] * pad], [*biases, *[None] * pad]
+    groups = sum(-(-r // per) for r in rows)
+    mask = sum(1 << i for i, b in enumerate(biases) if b is not None)
+    return Launch(rt, kernel, (groups * group,), (group,),
+                  [*ws, ws[0].row_bytes, *(w.row0 for w in ws), x, ws[0].cols, *rows, *ys,
+                   *(b or rt.dummy for b in biases), mask])
+
+
 def embed(rt: Runtime, w: DeviceWeight, ids: Arr, out: Arr, tokens: int, scale: float) -> Launch:
     group = rt.limits.group
     return Launch(rt, _k(rt, format_sources(w.fmt), "embed"), (tokens * group,), (group,),
