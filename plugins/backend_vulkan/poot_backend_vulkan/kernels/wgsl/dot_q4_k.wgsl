@@ -1,18 +1,29 @@
-// Q4_K unit_dot: sub-block `sub` of a 144-byte super-block (offsets as fmt_q4_k.wgsl); 32 nibble bytes read as 8
-// aligned words: scale * sum(q * x) - offset * sum(x).
+// Q4_K unit_dot over a 144-byte super-block (offsets as fmt_q4_k.wgsl). Unit u is the u % 8'th 16 bytes of its
+// super-block's 128 nibble bytes, so neighbouring threads read neighbouring 16-byte pieces: piece 2c + h holds
+// values 16h..16h+15 of sub-block 2c (low nibbles) and of sub-block 2c + 1 (high nibbles).
+// Sum: d * (scale0 * q0.x0 + scale1 * q1.x1) - dmin * (min0 * sum(x0) + min1 * sum(x1)).
 fn unit_dot(row: u32, u: u32) -> f32 {
     let base = (row * (p.cols / 256u) + u / 8u) * 144u;
-    let sub = u % 8u;
+    let piece = u % 8u;
+    let c = piece / 2u;
     let dm = unpack2x16float(wt[base >> 2u]);
-    let sm = q4k_scale_min(base + 4u, sub);
-    let qs = (base + 16u + (sub / 2u) * 32u) >> 2u;
-    let shift = (sub & 1u) * 4u;
-    var acc = 0.0;
-    var xs = vec4<f32>(0.0);
-    for (var j = 0u; j < 8u; j++) {
-        let xv = x[u * 8u + j];
-        acc += dot(nibbles(wt[qs + j], shift, 15u), xv);
-        xs += xv;
+    let sm0 = q4k_scale_min(base + 4u, 2u * c);
+    let sm1 = q4k_scale_min(base + 4u, 2u * c + 1u);
+    let qs = (base + 16u + piece * 16u) >> 2u;
+    let x0 = (u / 8u) * 64u + c * 16u + (piece % 2u) * 4u;  // x as vec4: sub-block s starts at 8s
+    var d0 = 0.0;
+    var d1 = 0.0;
+    var s0 = vec4<f32>(0.0);
+    var s1 = vec4<f32>(0.0);
+    for (var j = 0u; j < 4u; j++) {
+        let w = wt[qs + j];
+        let a = x[x0 + j];
+        let b = x[x0 + 8u + j];
+        d0 += dot(nibbles(w, 0u, 15u), a);
+        d1 += dot(nibbles(w, 4u, 15u), b);
+        s0 += a;
+        s1 += b;
     }
-    return dm.x * sm.x * acc - dm.y * sm.y * (xs.x + xs.y + xs.z + xs.w);
+    let m = dm.y * (sm0.y * (s0.x + s0.y + s0.z + s0.w) + sm1.y * (s1.x + s1.y + s1.z + s1.w));
+    return dm.x * (sm0.x * d0 + sm1.x * d1) - m;
 }

@@ -1,20 +1,31 @@
-// Q5_K unit_dot: sub-block `sub` of a 176-byte super-block (offsets as fmt_q5_k.wgsl): nibbles as Q4_K's plus
-// bit `sub` of high byte l; every word aligned.
+// Q5_K unit_dot over a 176-byte super-block (offsets as fmt_q5_k.wgsl), units as dot_q4_k.wgsl's: the u % 8'th
+// 16 bytes of the nibbles (sub-blocks 2c and 2c + 1, values 16h..16h+15) with high bits 2c and 2c + 1 of the
+// same 16 positions of the 32 high-bit bytes.
 fn unit_dot(row: u32, u: u32) -> f32 {
     let base = (row * (p.cols / 256u) + u / 8u) * 176u;
-    let sub = u % 8u;
+    let piece = u % 8u;
+    let c = piece / 2u;
+    let h = piece % 2u;
     let dm = unpack2x16float(wt[base >> 2u]);
-    let sm = q4k_scale_min(base + 4u, sub);
-    let qh = (base + 16u) >> 2u;
-    let qs = (base + 48u + (sub / 2u) * 32u) >> 2u;
-    let shift = (sub & 1u) * 4u;
-    var acc = 0.0;
-    var xs = vec4<f32>(0.0);
-    for (var j = 0u; j < 8u; j++) {
-        let xv = x[u * 8u + j];
-        let q = nibbles(wt[qs + j], shift, 15u) + 16.0 * nibbles(wt[qh + j], sub, 1u);
-        acc += dot(q, xv);
-        xs += xv;
+    let sm0 = q4k_scale_min(base + 4u, 2u * c);
+    let sm1 = q4k_scale_min(base + 4u, 2u * c + 1u);
+    let qs = (base + 48u + piece * 16u) >> 2u;
+    let qh = (base + 16u + h * 16u) >> 2u;
+    let x0 = (u / 8u) * 64u + c * 16u + h * 4u;
+    var d0 = 0.0;
+    var d1 = 0.0;
+    var s0 = vec4<f32>(0.0);
+    var s1 = vec4<f32>(0.0);
+    for (var j = 0u; j < 4u; j++) {
+        let w = wt[qs + j];
+        let hb = wt[qh + j];
+        let a = x[x0 + j];
+        let b = x[x0 + 8u + j];
+        d0 += dot(nibbles(w, 0u, 15u) + 16.0 * nibbles(hb, 2u * c, 1u), a);
+        d1 += dot(nibbles(w, 4u, 15u) + 16.0 * nibbles(hb, 2u * c + 1u, 1u), b);
+        s0 += a;
+        s1 += b;
     }
-    return dm.x * sm.x * acc - dm.y * sm.y * (xs.x + xs.y + xs.z + xs.w);
+    let m = dm.y * (sm0.y * (s0.x + s0.y + s0.z + s0.w) + sm1.y * (s1.x + s1.y + s1.z + s1.w));
+    return dm.x * (sm0.x * d0 + sm1.x * d1) - m;
 }
