@@ -111,8 +111,8 @@ def embed(rt: Runtime, w: DeviceWeight, ids: Arr, out: Arr, tokens: int, scale: 
 
 def rms_norm(rt: Runtime, x: Arr, w: Arr, out: Arr, tokens: int, width: int, eps: float, offset: float,
              residual: Arr | None = None, sum_out: Arr | None = None) -> Launch:
-    group = rt.limits.group
-    return Launch(rt, _k(rt, ("common", "norm"), "rms_norm"), (tokens * group,), (group,),
+    group = rt.limits.gemv_group  # one work-group a row: the widest the products use (the row is read twice)
+    return Launch(rt, _k(rt, ("common", "norm"), "rms_norm", GROUP=group), (tokens * group,), (group,),
                   [x, residual or rt.dummy, residual is not None, sum_out or rt.dummy, w, out, width, eps, offset])
 
 
@@ -176,8 +176,8 @@ def copy(rt: Runtime, src: Arr, out: Arr, count: int, src_offset: int = 0) -> La
 
 
 def argmax(rt: Runtime, x: Arr, ids: Arr, rows: int, n: int) -> Launch:
-    group = rt.limits.group
-    return Launch(rt, _k(rt, ("elementwise",), "argmax"), (rows * group,), (group,), [x, ids, n])
+    group = rt.limits.gemv_group  # one work-group over a vocabulary's logits: the widest the products use
+    return Launch(rt, _k(rt, ("elementwise",), "argmax", GROUP=group), (rows * group,), (group,), [x, ids, n])
 
 
 def moe_route(rt: Runtime, logits: Arr, bias: Arr | None, weights: Arr, tokens: int, experts: int,

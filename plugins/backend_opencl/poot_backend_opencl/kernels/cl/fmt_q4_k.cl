@@ -7,7 +7,11 @@ inline void decode_sub(global const uchar* row, int s, float* v) {
     float d = f16_at(b), dmin = f16_at(b + 2), sc, mn;
     k4_scale_min(b + 4, sub, &sc, &mn);
     float dl = d * sc, ml = dmin * mn;
-    global const uchar* q = b + 16 + 32 * (sub >> 1);
+    // the 32 bytes as 8 aligned 32-bit loads (blocks of 144 bytes keep qs 4-byte aligned), little-endian
+    global const uint* q = (global const uint*)(b + 16 + 32 * (sub >> 1));
     int shift = 4 * (sub & 1);
-    for (int l = 0; l < 32; l++) v[l] = dl * ((q[l] >> shift) & 0xF) - ml;
+    for (int k = 0; k < 8; k++) {
+        uint word = q[k] >> shift;
+        for (int j = 0; j < 4; j++) v[4 * k + j] = dl * ((word >> (8 * j)) & 0xF) - ml;
+    }
 }
