@@ -1,6 +1,7 @@
 """The GGUF block layouts the Vulkan kernels read in packed form (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS beside
 the older ones) against the gguf package's dequantization: the many-token product, the one-token (decode)
-product, the embedding gather and the gathered MoE experts. On any Vulkan adapter (CI: lavapipe)."""
+product, the embedding gather and the gathered MoE experts; every layout's one-token GEMV (linear.gemv) with each
+reduction, split-K and a concatenation's parts. On any Vulkan adapter (CI: lavapipe)."""
 
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ ALL = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K",
 def test_one_token_gemv_of_every_layout(rt: Runtime, fmt: str, reduce: str) -> None:
     """The packed one-token GEMV against gguf's dequantization: row counts that are not a multiple of a
     workgroup's rows, and (for the 32-value blocks) rows of k not a multiple of 256."""
+    assert set(ALL) == {name for name, form in FORMATS.items() if form.block_values > 1}  # every packed layout
     if reduce == "subgroups" and not rt.has_subgroups:
         pytest.skip("the adapter has no subgroups")
     short = 768 if FORMATS[fmt].block_values == 256 else 96

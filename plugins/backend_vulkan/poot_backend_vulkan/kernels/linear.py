@@ -11,9 +11,7 @@ from .weights import DeviceWeight
 _TOKENS_PER_GROUP = 4  # must match TOKENS in linear.wgsl
 _GEMV_ROWS = 4  # must match ROWS in gemv.wgsl
 GEMV_FORMATS = {"bf16": 8, "f16": 8, "f32": 4}  # dense formats with a one-token shader: values per 16 bytes
-# GGUF layouts whose one-token product reads u32 words (dot_<fmt>.wgsl); the others dot their decode_unit
-WORD_DOTS = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
-UNIT_VALUES = 32  # a packed GEMV's step: one 32-value unit (gemv_units.wgsl)
+UNIT_VALUES = 32  # a packed GEMV's step: one 32-value unit (gemv_units.wgsl, each layout's dot_<fmt>.wgsl)
 # split-K: below this many row workgroups a GEMV's rows are also cut along K (not yet tuned on a GPU)
 SPLITK_GROUPS = 2048
 MAX_SPLITK = 8
@@ -65,8 +63,7 @@ def _gemv_source(weight: DeviceWeight) -> tuple[str, int, int]:
     name = weight.fmt.name
     if name in GEMV_FORMATS:
         return shader_source("gemv", "gemv_words", f"gemv_{name}"), GEMV_FORMATS[name], 256
-    dot = f"dot_{name.lower()}" if name in WORD_DOTS else "dot_decoded"
-    return shader_source("gemv", "gemv_units", "bytes", *weight.fmt.sources(), dot), UNIT_VALUES, 128
+    return shader_source("gemv", "gemv_units", "bytes", *weight.fmt.helpers, f"dot_{name.lower()}"), UNIT_VALUES, 128
 
 
 def gemv(

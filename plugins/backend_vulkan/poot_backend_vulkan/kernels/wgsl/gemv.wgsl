@@ -11,7 +11,7 @@
 // partial sum to y[z * p.total + n] and gemv_combine.wgsl adds them (bias and SPLIT outputs go there then).
 // The weight binding (1) and row_sum(row, first, end) come from gemv_words.wgsl (dense rows as 16-byte words,
 // with `gemv_<fmt>.wgsl`'s PER_WORD and word_dot) or gemv_units.wgsl (GGUF blocks, one 32-value unit a step,
-// PER_WORD = 32 and a `dot_<fmt>.wgsl` unit_dot); a `word` below is then one such unit.
+// PER_WORD = 32 and the layout's dot_<fmt>.wgsl unit_dot); a `word` below is then one such unit.
 struct Params {
     rows: u32,
     cols: u32,

@@ -1,7 +1,6 @@
 // GGUF rows for gemv.wgsl: a row's 32-value units (a block, or one sub-block of a 256-value super-block), thread
 // `lane` taking units lane, lane+LANES, ... so the threads of a row read neighbouring blocks at each step.
-// unit_dot(row, u) = sum over the unit's 32 values of W * x, from a dot_<fmt>.wgsl (u32 word reads) or from
-// dot_decoded.wgsl (the format's decode_unit, for layouts without a word reader yet).
+// unit_dot(row, u) = sum over the unit's 32 values of W * x comes from the layout's dot_<fmt>.wgsl (u32 words).
 @group(0) @binding(1) var<storage, read> wt: array<u32>;
 
 const PER_WORD: u32 = 32u;
