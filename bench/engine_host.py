@@ -5,6 +5,13 @@ shapes, picking and detokenizing, stops and events: the time a GPU waits between
 critical path (on the H200, about 2.8 s of a 10.9 s run of 256 x (1024 + 128) went there).
 
   python bench/engine_host.py [--requests 256] [--prompt 1024] [--new 128] [--step-tokens 2048] [--profile]
+                              [--device-ms 10]
+
+--device-ms D simulates a device: a step's run() returns at once and reading its output blocks until D ms of
+device time have passed (steps queue behind each other, as on one stream; a timer thread marks each done). The
+workload then runs twice, in the old order (engine.pipeline = False: read, detokenize, schedule, launch) and
+pipelined (the next step launched before the read one is detokenized), printing both wall times beside host +
+device and max(host, device).
 
 Prints the whole run's host seconds, the mean host time of a decode step and of a step with prefill chunks,
 and beside them the device time of the same steps measured on the H200 (the floor this host time should stay
@@ -17,6 +24,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,18 +52,43 @@ H200_PREFILL_2048_MS = 41.3  # a step of two 1024-token prefill chunks
 
 
 class _Idle:
-    """The output of a step that computed nothing: how many sequence slots it had."""
+    """The output of a step that computed nothing: how many sequence slots it had, and when the simulated
+    device is done with it (set at once without a simulated device)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, ready: threading.Event) -> None:
         self.slots = slots
+        self.ready = ready
+
+
+class _Device:
+    """A simulated device of one stream: each step takes `seconds` after the one before it is done."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.busy_until = 0.0
+        self.busy = 0.0  # total simulated device seconds
+
+    def launch(self) -> threading.Event:
+        ready = threading.Event()
+        if self.seconds <= 0:
+            ready.set()
+            return ready
+        now = time.perf_counter()
+        self.busy_until = max(now, self.busy_until) + self.seconds
+        self.busy += self.seconds
+        timer = threading.Timer(self.busy_until - now, ready.set)
+        timer.daemon = True
+        timer.start()
+        return ready
 
 
 class _IdleProgram:
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, device: _Device) -> None:
         self.slots = slots
+        self.device = device
 
     def run(self, state: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
-        return [_Idle(self.slots)]
+        return [_Idle(self.slots, self.device.launch())]  # returns at once; reading the output waits
 
 
 class IdleExecutor:
@@ -63,10 +96,11 @@ class IdleExecutor:
 
     name = "idle"
 
-    def __init__(self, vocab: int, defaults: RunDefaults, seed: int = 0) -> None:
+    def __init__(self, vocab: int, defaults: RunDefaults, seed: int = 0, device_seconds: float = 0.0) -> None:
         self.vocab = vocab
         self.defaults = defaults
         self.rng = np.random.default_rng(seed)
+        self.device = _Device(device_seconds)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(frozenset(), frozenset(), layouts=frozenset({"contiguous", "paged"}),
@@ -76,7 +110,7 @@ class IdleExecutor:
         return None
 
     def prepare(self, graph: Any, weights: Any) -> _IdleProgram:
-        return _IdleProgram(graph.shape.paging.seqs if graph.shape.paging else 1)
+        return _IdleProgram(graph.shape.paging.seqs if graph.shape.paging else 1, self.device)
 
     def allocate_state(self, graph: Any) -> dict:
         return {}
@@ -88,10 +122,36 @@ class IdleExecutor:
         return {"total": 1 << 40, "free": 1 << 40}
 
     def to_numpy(self, value: _Idle) -> np.ndarray:
+        value.ready.wait()
         return np.zeros((1, value.slots, self.vocab), dtype=np.float32)
 
     def greedy_rows(self, value: _Idle) -> np.ndarray:
+        value.ready.wait()
         return self.rng.integers(100, self.vocab, value.slots)
+
+
+def _timed(engine: Any, requests: list[GenerateRequest], profile: bool) -> tuple[float, dict[str, list[float]]]:
+    """Run the requests to their end; the wall seconds and each step's seconds, by kind."""
+    step_times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    submitted = [engine.submit(r) for r in requests]
+    profiler = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    finished = 0
+    while finished < len(submitted):
+        # pending 0: in flight (pipelined), its token not read yet
+        decode = not engine.scheduler.waiting and all(s.pending <= 1 for s in engine.scheduler.running)
+        s0 = time.perf_counter()
+        events = engine.step()
+        step_times["decode" if decode else "prefill"].append(time.perf_counter() - s0)
+        finished += sum(1 for e in events if type(e).__name__ == "FinishedEvent")
+    if profiler:
+        profiler.disable()
+    seconds = time.perf_counter() - t0
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    return seconds, step_times
 
 
 def main() -> None:
@@ -101,6 +161,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--step-tokens", type=int, default=2048, help="the step budget (the GPU's default: 2048)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device-ms", type=float, default=0.0, help="simulated device time a step (0: none)")
     args = ap.parse_args()
 
     handle = ModelHandle.load(smollm.gguf_path())
@@ -109,7 +170,8 @@ def main() -> None:
                            max_running=args.requests, kv_fraction=0.8)
     capacity = args.prompt + args.new
     options = DriverOptions(capacity=capacity, kv_blocks=args.requests * -(-capacity // 16))
-    engine = Driver(handle, IdleExecutor(vocab, defaults), options).serve(Layout.PAGED)
+    executor = IdleExecutor(vocab, defaults)
+    engine = Driver(handle, executor, options).serve(Layout.PAGED)
     rng = np.random.default_rng(1)
 
     def requests() -> list[GenerateRequest]:
@@ -117,22 +179,22 @@ def main() -> None:
                 for _ in range(args.requests)]
 
     engine.generate_batch(requests())  # traces every bucket shape once, as a server's first requests do
-    step_times: dict[str, list[float]] = {"decode": [], "prefill": []}
-    submitted = [engine.submit(r) for r in requests()]
-    profiler = cProfile.Profile() if args.profile else None
-    t0 = time.perf_counter()
-    if profiler:
-        profiler.enable()
-    finished = 0
-    while finished < len(submitted):
-        decode = not engine.scheduler.waiting and all(s.pending == 1 for s in engine.scheduler.running)
-        s0 = time.perf_counter()
-        events = engine.step()
-        step_times["decode" if decode else "prefill"].append(time.perf_counter() - s0)
-        finished += sum(1 for e in events if type(e).__name__ == "FinishedEvent")
-    if profiler:
-        profiler.disable()
-    seconds = time.perf_counter() - t0
+    if args.device_ms <= 0:
+        seconds, step_times = _timed(engine, requests(), args.profile)
+    else:
+        executor.device.seconds = args.device_ms / 1000
+        walls, steps = {}, {}
+        for pipeline in (False, True):
+            engine.pipeline = pipeline
+            executor.device.busy, first = 0.0, engine.steps
+            walls[pipeline], _ = _timed(engine, requests(), False)
+            device, steps[pipeline] = executor.device.busy, engine.steps - first
+        engine.pipeline, executor.device.seconds = True, 0.0
+        seconds, step_times = _timed(engine, requests(), args.profile)  # host time alone
+        print(f"simulated device {args.device_ms} ms a step, {device:.2f} s in all; host alone {seconds:.2f} s; "
+              f"host + device {seconds + device:.2f} s, max {max(seconds, device):.2f} s")
+        print(f"  wall, old order {walls[False]:.2f} s ({steps[False]} steps); pipelined {walls[True]:.2f} s "
+              f"({steps[True]} steps)")
     decode_ms = 1000 * float(np.mean(step_times["decode"])) if step_times["decode"] else 0.0
     prefill_ms = 1000 * float(np.mean(step_times["prefill"])) if step_times["prefill"] else 0.0
     print(f"engine host time, {args.requests} x ({args.prompt} + {args.new}), step budget {args.step_tokens}: "
@@ -141,14 +203,14 @@ def main() -> None:
           f"{H200_DECODE_256_MS} ms)")
     print(f"  prefill step  {prefill_ms:7.2f} ms host   (H200 device time of a 2 x 1024 chunk step: "
           f"{H200_PREFILL_2048_MS} ms)")
-    if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    extra = {} if args.device_ms <= 0 else {"device_ms": args.device_ms, "device_seconds": device,
+                                            "wall_old_order": walls[False], "wall_pipelined": walls[True]}
     common.write("engine_host", {"requests": args.requests, "prompt": args.prompt, "new": args.new,
                                  "step_tokens": args.step_tokens, "seconds": seconds,
                                  "decode_steps": len(step_times["decode"]), "decode_ms": decode_ms,
                                  "prefill_steps": len(step_times["prefill"]), "prefill_ms": prefill_ms,
                                  "h200_decode_256_ms": H200_DECODE_256_MS,
-                                 "h200_prefill_2048_ms": H200_PREFILL_2048_MS})
+                                 "h200_prefill_2048_ms": H200_PREFILL_2048_MS, **extra})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ are ever prepared; padding tokens belong to no sequence and write nothing.
 
 A model with recurrent state (hybrid families) also holds one state slot per running sequence (state_pool.py);
 the prefix cache and speculation are off for it.
+
+Steps are pipelined (`_step_pipelined`): once a step's ids are read and each sequence's tokens, eos and length
+are settled on ids, the next step is scheduled and launched, and only then is the read step detokenized and
+matched against stop strings while the device runs the next one. A request a stop string ends thus has one
+more row in the launched step; that row is dropped when read (its request is gone). Speculation, constraints,
+token callbacks and prompt scoring keep the old order (`_serial`): their next step depends on the text.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from poot_core.driver.constraints import Matcher
 from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import CacheCounters, PrefixCache
-from poot_core.driver.prompt_logprobs import PromptEvent, PromptScores
+from poot_core.driver.prompt_logprobs import PromptEvent, PromptScores, RowPlan
 from poot_core.driver.sampling import TokenLogprobs, token_logprobs
 from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.speculative_engine import engine_speculation
@@ -38,7 +44,11 @@ from poot_core.executor import Output, Program, device_greedy_rows
 from poot_core.graph import Paging, StepShape
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from poot_core.driver.core import Driver, GenerateRequest, OnToken
+
+    _Accept = Callable[["_Request", int, TokenLogprobs | None], list["Event"]]
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,25 @@ class _Request:
     verify_steps: int = 0
 
 
+@dataclass
+class _Launched:
+    """A step launched on the executor whose output is not read yet."""
+
+    batch: list[tuple[Sequence, int]]
+    out: Output
+    rows: RowPlan | None
+
+
+@dataclass
+class _Held:
+    """A token settled on ids whose text, stop strings and event wait until the next step is launched."""
+
+    req: _Request
+    token: int
+    logprobs: TokenLogprobs | None
+    end: str | None  # "eos" or "length" when the ids alone end the request
+
+
 def _step_tokens(seq: Sequence, count: int) -> list[int]:
     """The `count` tokens a sequence runs in a step: its uncomputed tokens, then its draft."""
     start = seq.computed
@@ -146,6 +175,9 @@ class ServingDriver:
         self.speculation = engine_speculation(self)  # None without a draft policy (speculative_engine.py)
         self.prompt_scores = PromptScores(self)  # prompt log-probabilities from the prefill (prompt_logprobs.py)
         self._greedy_rows = device_greedy_rows(executor)
+        self.pipeline = True  # False: every step in the old order (read, detokenize, then schedule the next)
+        self._inflight: _Launched | None = None
+        self._held: list[_Held] = []
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
@@ -243,15 +275,75 @@ class ServingDriver:
         return events + self._step()
 
     def _step(self) -> list[Event]:
+        if not self._serial():
+            return self._step_pipelined()
+        events = [] if self._inflight is None else self._collect(self._inflight)  # a step left by the pipeline
+        self._inflight = None
+        return events + self._step_serial()
+
+    def _serial(self) -> bool:
+        """Whether this step keeps the old order: speculation proposes from the text's tokens, a constraint's
+        next mask and a callback's answer follow each token's text, prompt scoring reads rows at once."""
+        if not self.pipeline or self.speculation is not None:
+            return True
+        scores = self.prompt_scores
+        return any(r.constraint is not None or r.on_token is not None or scores.scoring(rid)
+                   for rid, r in self._requests.items())
+
+    def _step_serial(self) -> list[Event]:
         if self.speculation is not None:
             self.speculation.propose()
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         if not batch:
-            if self.scheduler.waiting:
-                raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
             return []
         if self.speculation is not None and any(seq.draft for seq, _ in batch):
             return self.speculation.verify(batch)  # some sequences run their drafts: every position's logits
+        launched = self._launch(batch)
+        return self._failed(batch, launched) if isinstance(launched, PootError) else self._collect(launched)
+
+    def _step_pipelined(self) -> list[Event]:
+        """Read the step in flight (launching one first when none is), settle its tokens on ids, launch the next
+        step, then make the read step's text and events while the next one runs."""
+        events: list[Event] = []
+        done = self._inflight
+        if done is None:
+            done = self._launch_next(events)
+            if done is None:
+                return events
+        self._inflight = None
+        if done.rows is not None:  # none while pipelining (prompt scoring keeps the old order); kept for safety
+            events.extend(self.prompt_scores.score(done.rows, done.out))
+        events.extend(self._sample(done.batch, done.out, self._hold))  # only failures: tokens are held
+        held, self._held = self._held, []
+        batch = self._schedule()
+        launched = self._launch(batch) if batch else None
+        if isinstance(launched, _Launched):
+            self._inflight = launched
+        for h in held:
+            events.extend(self._emit(h))
+        if isinstance(launched, PootError):  # after the text, so that each request's generation is whole
+            events.extend(self._failed(batch, launched))
+        return events
+
+    def _launch_next(self, events: list[Event]) -> _Launched | None:
+        batch = self._schedule()
+        if not batch:
+            return None
+        launched = self._launch(batch)
+        if isinstance(launched, PootError):
+            events.extend(self._failed(batch, launched))
+            return None
+        return launched
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        batch = self.scheduler.schedule()
+        if not batch and self.scheduler.waiting:
+            raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
+        return batch
+
+    def _launch(self, batch: list[tuple[Sequence, int]]) -> _Launched | PootError:
+        """Build the step's inputs and run it; on the Triton executor this returns before the device is done
+        (nothing here reads device memory), the wait is in reading the output."""
         n = sum(count for _, count in batch)
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
@@ -271,15 +363,25 @@ class ServingDriver:
                 matcher.prefetch()
         try:
             out = self.program(shape).run(self._state, inputs)[0]
-        except PootError as exc:  # the step's sequences fail, each with the error in its own event
-            events: list[Event] = []
-            for seq, _ in batch:
-                events.extend(self._finish(self._requests[seq.id], "error", exc))
-            return events
+        except PootError as exc:
+            return exc
         self.steps += 1
         self.scheduler.advance(batch)
+        return _Launched(batch, out, rows)
+
+    def _failed(self, batch: list[tuple[Sequence, int]], exc: PootError) -> list[Event]:
+        """A step that failed to run: its sequences fail, each with the error in its own event."""
+        events: list[Event] = []
+        for seq, _ in batch:
+            req = self._requests.get(seq.id)
+            if req is not None:
+                events.extend(self._finish(req, "error", exc))
+        return events
+
+    def _collect(self, launched: _Launched) -> list[Event]:
+        rows, out = launched.rows, launched.out
         scored = [] if rows is None else self.prompt_scores.score(rows, out)  # before the first token's event
-        return scored + self._sample(batch, out)
+        return scored + self._sample(launched.batch, out, self._accept)
 
     def _inputs(self, shape: StepShape, batch: list[tuple[Sequence, int]]) -> dict[str, np.ndarray]:
         """The step's host inputs, built with whole-array numpy operations (a step may hold hundreds of
@@ -317,11 +419,13 @@ class ServingDriver:
         return (self._greedy_rows is not None and not self.keep_logits and req.constraint is None
                 and req.logprobs is None and req.request.sampler.is_greedy)
 
-    def _sample(self, batch: list[tuple[Sequence, int]], out: Output) -> list[Event]:
+    def _sample(self, batch: list[tuple[Sequence, int]], out: Output, accept: _Accept | None = None) -> list[Event]:
+        """Pick each row's token and hand it to `accept` (default `_accept`: the whole path at once)."""
+        accept = accept or self._accept
         picking = []  # (slot, request, whether its token is the device's argmax)
         for slot, (seq, _) in enumerate(batch):
             # pending: a prefill chunk short of the prompt's end, nothing to pick yet; a request its prompt's
-            # scoring finished (max_new 0) is gone
+            # scoring finished (max_new 0), an abort or a stop string while the step ran ended is gone
             if not seq.pending and seq.id in self._requests:
                 req = self._requests[seq.id]
                 picking.append((slot, req, self._on_device(req)))
@@ -331,38 +435,67 @@ class ServingDriver:
         for slot, req, on_device in picking:
             try:
                 if on_device:
-                    events.extend(self._accept(req, int(greedy[slot])))
+                    events.extend(accept(req, int(greedy[slot]), None))
                     continue
                 if self.keep_logits:
                     self.logits[req.seq.id].append(logits[slot].copy())
-                events.extend(self._pick(req, logits[slot]))
+                events.extend(self._pick(req, logits[slot], accept))
             except PootError as exc:  # this request's own failure (its constraint allows no token, or failed):
                 events.extend(self._finish(req, "error", exc))  # it ends; the step's other rows go on
         return events
 
-    def _pick(self, req: _Request, logits: np.ndarray) -> list[Event]:
+    def _pick(self, req: _Request, logits: np.ndarray, accept: _Accept) -> list[Event]:
         row = logits if req.constraint is None else req.constraint.apply(logits)
         token = req.request.sampler.sample(row, req.seq.tokens, req.prompt_len)
         logprobs = None
         if req.logprobs is not None:
             logprobs = token_logprobs(row, token, req.request.logprobs or 0)
             req.logprobs.append(logprobs)
-        return self._accept(req, token, logprobs)
+        return accept(req, token, logprobs)
 
-    def _accept(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
-        """One new token through the path Driver.generate takes: eos, stop strings, callback, limits."""
+    def _take(self, req: _Request, token: int) -> str | None:
+        """A new token on ids alone: the sequence's tokens, then "eos" or "length" when that ends it (its
+        sequence then leaves the scheduler, so no later step runs it)."""
         if not req.generated:
             req.first_token = time.perf_counter()
         req.generated.append(token)
         req.seq.tokens.append(token)
-        if token in req.stop_ids:
+        end = "eos" if token in req.stop_ids else "length" if len(req.generated) >= req.limit else None
+        if end is not None:
+            self.scheduler.remove(req.seq)
+        return end
+
+    def _text(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> tuple[list[Event], bool]:
+        """The token's piece of text through the stop strings: its event, and whether a stop string matched."""
+        emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
+        req.pieces.append(emit)
+        return [TokenEvent(req.seq.id, token, emit, logprobs)], hit
+
+    def _hold(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> list[Event]:
+        self._held.append(_Held(req, token, logprobs, self._take(req, token)))
+        return []
+
+    def _emit(self, held: _Held) -> list[Event]:
+        """A held token's text and events, in the order _accept gives them (stop before length)."""
+        req = held.req
+        if held.end == "eos":
+            return self._finish(req, "eos")
+        events, hit = self._text(req, held.token, held.logprobs)
+        if hit:  # the step now running has one more row of this request: dropped when read
+            return events + self._finish(req, "stop")
+        if held.end == "length":
+            return events + self._finish(req, "length")
+        return events
+
+    def _accept(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
+        """One new token through the path Driver.generate takes: eos, stop strings, callback, limits."""
+        end = self._take(req, token)
+        if end == "eos":
             return self._finish(req, "eos")
         if req.constraint is not None:
             req.constraint.advance(token)
-        emit, hit = req.matcher.push(req.stream.push(token))  # type: ignore[attr-defined]
-        req.pieces.append(emit)
-        events: list[Event] = [TokenEvent(req.seq.id, token, emit, logprobs)]
-        control = req.on_token(token, emit) if req.on_token else None
+        events, hit = self._text(req, token, logprobs)
+        control = req.on_token(token, events[0].text) if req.on_token else None  # type: ignore[union-attr]
         if hit:
             return events + self._finish(req, "stop")
         if control is GenerationControl.BREAK:
@@ -374,7 +507,7 @@ class ServingDriver:
                 return events + self._finish(req, "error", exc)
             if complete:  # the constraint admits nothing more
                 return events + self._finish(req, "eos", flush=True)
-        if len(req.generated) >= req.limit:
+        if end == "length":
             return events + self._finish(req, "length")
         return events
 
