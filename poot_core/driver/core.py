@@ -394,6 +394,12 @@ class Driver:
                 pieces.append(tail)
                 if on_token:
                     on_token(-1, tail)
+        elif reason == "eos":  # text the stream held for a clean-up of spaces is part of the reply
+            tail, _ = stops.push(stream.release())
+            if tail:
+                pieces.append(tail)
+                if on_token:
+                    on_token(-1, tail)
         timings.decode_seconds = time.perf_counter() - t1
         return Generation(generated, "".join(pieces), reason, timings, logprobs)
 

@@ -193,6 +193,15 @@ class StreamDecoder:
             return added
         return ""
 
+    def release(self) -> str:
+        """At an end of sequence: the text held only for the clean-up of spaces (whole characters), cleaned up as
+        the full decode has it; an incomplete character still waiting stays hidden, as before."""
+        cleanup = self._window.cleanup
+        if cleanup is None or not self._held:
+            return ""
+        text, self._held = cleanup.apply(self._held), ""
+        return text
+
     def flush(self) -> str:
         """What is still held back at the end of generation (an incomplete character stays visible)."""
         before = self._text_before()
