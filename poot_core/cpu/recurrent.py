@@ -6,8 +6,10 @@ before the step, written after it, so prefill chunks and decode steps continue o
 float32 whatever the weights' dtype (their small vectors are widened once, at bind time).
 
 In a paged step (the serving engine) the state is a pool of slots and the step a flat batch of many sequences'
-tokens: each sequence's run is computed alone, as one row over its own slot (`per_run`), so a sequence's
-arithmetic is the one it gets alone in the contiguous layout whatever shares its step.
+tokens (`per_run`): the decode tokens (runs of one token) are computed together, one row each over the state
+gathered from its slot and scattered back, and each longer run (a prefill chunk) alone, as one row over its own
+slot. A row's arithmetic is the same in both (the ops work row by row), so a sequence's is the one it gets
+alone in the contiguous layout whatever shares its step.
 """
 
 from __future__ import annotations
@@ -37,26 +39,50 @@ def _small(w: Any) -> torch.Tensor | None:
     return w.float()
 
 
-RUNS = "recurrent_runs:"  # the step environment's key of a paged step's runs, worked out once per step
+RUNS = "recurrent_runs:"  # the step environment's key of a paged step's split into runs, worked out once per step
+
+
+def _split(positions: torch.Tensor, seq_index: torch.Tensor, slots: torch.Tensor
+           ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, list[tuple[int, int, int, bool]]]:
+    """A paged step's decode tokens (their token indices or None, their slots, whether each starts its sequence)
+    and its longer runs (slot, first token, end token, whether it starts its sequence)."""
+    singles: list[int] = []
+    runs = []
+    for seq, t0, t1 in sequence_runs(seq_index):
+        if t1 - t0 == 1:
+            singles.append(t0)
+        else:
+            runs.append((int(slots[seq]), t0, t1, int(positions[0, t0]) == 0))
+    if not singles:
+        return None, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), runs
+    index = torch.tensor(singles, dtype=torch.long)
+    return index, slots[seq_index[index]].long(), positions[0, index] == 0, runs
 
 
 def per_run(node: Node, values: list[Arg], state: Arg, paged: list[Arg],
             compute: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]) -> StepFn:
-    """A recurrent op of a paged step: `compute(values of one run [1, t, ...], its slot's state [1, ...])` for
-    each sequence's run of tokens, over the slot state_slots names for it (zeroed first when the run starts at
-    position 0: a new or recomputed sequence). Padding tokens (sequence -1) give zeros."""
+    """A recurrent op of a paged step: `compute(values [R, t, ...], state [R, ...])` once over the step's decode
+    tokens (R rows of t = 1, each over a copy of its slot's state, written back after) and once for each longer
+    run (R = 1, over its slot, a view updated in place). A slot whose run starts at position 0 (a new or
+    recomputed sequence) starts from zeros. Padding tokens (sequence -1) give zeros and write nothing."""
     positions, seq_index, slots = paged
 
     def run(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
-        runs = e.get(RUNS)
-        if runs is None:
-            runs = e[RUNS] = list(sequence_runs(seq_index(e, s)))
-        pool, starts, slot_of = state(e, s), positions(e, s)[0], slots(e, s)
+        split = e.get(RUNS)
+        if split is None:
+            split = e[RUNS] = _split(positions(e, s), seq_index(e, s), slots(e, s))
+        decode, decode_slots, fresh, runs = split
+        pool = state(e, s)
         vals = [v(e, s) for v in values]
         out = torch.zeros(node.shape)
-        for seq, t0, t1 in runs:
-            row = pool[int(slot_of[seq])].unsqueeze(0)  # a view: the op updates the slot in place
-            if int(starts[t0]) == 0:
+        if decode is not None:
+            rows = pool[decode_slots]  # a copy: the rows' states, side by side
+            rows[fresh] = 0
+            out[0, decode] = compute([v[0, decode].unsqueeze(1) for v in vals], rows)[:, 0]
+            pool[decode_slots] = rows
+        for slot, t0, t1, starts in runs:
+            row = pool[slot].unsqueeze(0)  # a view: the op updates the slot in place
+            if starts:
                 row.zero_()
             out[:, t0:t1] = compute([v[:, t0:t1] for v in vals], row)
         return out

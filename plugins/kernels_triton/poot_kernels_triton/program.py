@@ -357,9 +357,10 @@ class Binder:
         return run
 
     def _paged(self, node: Node, state_index: int, values: list[str], compute: paged_recurrent.Compute) -> StepFn:
-        """A paged step's recurrent op: each sequence's run over its state slot (paged_recurrent.py)."""
-        self.host_syncs = True  # the runs are found on the host
-        return paged_recurrent.per_run(node, state_index, values, compute)
+        """A paged step's recurrent op over the state slots (paged_recurrent.py): decode tokens in one launch."""
+        decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
+        self.host_syncs = self.host_syncs or not decode_only  # a mixed step's runs are found on the host
+        return paged_recurrent.bind(node, state_index, values, compute, decode_only)
 
     def op_short_conv(self, node: Node) -> StepFn:
         act = node.attrs.get("act")
@@ -370,7 +371,8 @@ class Binder:
         w = w.reshape(w.shape[0], w.shape[-1])  # Hugging Face's Conv1d stores [C, 1, K]
         if paged_recurrent.is_paged(node, 3):
             silu = act == "silu"
-            return self._paged(node, 3, [x_name], lambda v, st: recurrent.short_conv(v[0], w, b, st, silu=silu))
+            return self._paged(node, 3, [x_name], lambda v, st, rows: recurrent.short_conv(v[0], w, b, st, silu=silu,
+                                                                                           paged=rows))
 
         def run(s: Step) -> None:
             s.env[out] = recurrent.short_conv(s.env[x_name], w, b, s.state[window], silu=act == "silu")
@@ -382,8 +384,8 @@ class Binder:
         a_log, d, dt_bias = (self._small(node, i).reshape(-1) for i in (2, 5, 6))  # GGUF: A and D are [H, 1]
         state, out, limit = node.inputs[7].name, node.output, tuple(node.attrs["dt_limit"])
         if paged_recurrent.is_paged(node, 7):
-            return self._paged(node, 7, [x_name, dt_name, b_name, c_name], lambda v, st: recurrent.ssm_scan(
-                v[0], v[1], a_log, v[2], v[3], d, dt_bias, st, limit))
+            return self._paged(node, 7, [x_name, dt_name, b_name, c_name], lambda v, st, rows: recurrent.ssm_scan(
+                v[0], v[1], a_log, v[2], v[3], d, dt_bias, st, limit, paged=rows))
 
         def run(s: Step) -> None:
             e = s.env
@@ -397,7 +399,8 @@ class Binder:
         a_log, dt_bias = (self._small(node, i).reshape(-1) for i in (5, 6))
         state, out, eps = node.inputs[7].name, node.output, float(node.attrs["eps"])
         if paged_recurrent.is_paged(node, 7):
-            return self._paged(node, 7, names, lambda t, st: recurrent.gated_delta(*t, a_log, dt_bias, st, eps))
+            return self._paged(node, 7, names, lambda t, st, rows: recurrent.gated_delta(*t, a_log, dt_bias, st, eps,
+                                                                                         paged=rows))
 
         def run(s: Step) -> None:
             q, k, v, a, b = (s.env[n] for n in names)

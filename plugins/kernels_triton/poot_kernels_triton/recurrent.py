@@ -7,9 +7,16 @@ and are updated in place, so a CUDA graph can replay a decode step over them. Mu
 forms (one program per row, head and tile of the head's values walks its chunks in order, carrying the state in
 registers); one-token steps run the recurrence. Inputs may be views of a joined projection: every last axis must
 be contiguous, the other strides are passed.
+
+Paged decode (`paged`, a PagedRows): the serving engine's state is a pool of slots, and each of the R rows (one
+token each) reads and writes the slot of its sequence (state_slots[seq[r]]) in place, so a step of many
+sequences' decode tokens is one launch that reads nothing on the host. A padding row (seq -1) writes nothing
+(its output is 0); a row at position 0 starts from a zero state. Each row's arithmetic is the one-row path's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +42,42 @@ def _warps(x: torch.Tensor) -> Tile:
     return Tile(num_warps=1 if tuning.backend == "interpreter" else 4, num_stages=1)
 
 
+@dataclass(frozen=True)
+class PagedRows:
+    """The rows of a paged decode launch: seq [R] (each row's sequence slot, -1 for padding), slots [S] (each
+    sequence slot's state slot: the step's state_slots), positions [R]; int64 on the state's device."""
+
+    seq: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+
+
+def _paged_args(paged: PagedRows | None, state: torch.Tensor, shape: tuple[int, ...], rows: int) -> dict:
+    """Check the state (a pool [slots, *shape] for a paged launch, else [rows, *shape]) and give the kernels'
+    row arguments (dummy pointers in the contiguous layout)."""
+    expect = (rows, *shape) if paged is None else (state.shape[0], *shape)
+    require(state.dtype == torch.float32 and state.is_contiguous() and tuple(state.shape) == expect,
+            f"recurrent state {tuple(state.shape)}, expected {expect}")
+    if paged is None:
+        return dict(seq_ptr=state, slot_ptr=state, pos_ptr=state, PAGED=False)
+    require(tuple(paged.seq.shape) == (rows,) and tuple(paged.positions.shape) == (rows,),
+            f"paged rows {tuple(paged.seq.shape)}, positions {tuple(paged.positions.shape)} for {rows} rows")
+    return dict(seq_ptr=paged.seq, slot_ptr=paged.slots, pos_ptr=paged.positions, PAGED=True)
+
+
+@triton.jit
+def _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED: tl.constexpr):
+    """(the state row a program reads and writes, whether it writes it, whether it reads it): its own row, or in
+    a paged decode launch its sequence's slot (padding writes nothing; a row at position 0 starts from zeros).
+    The two flags are scalars: masks take them through tl.where (the interpreter refuses scalar & block)."""
+    if PAGED:
+        seq = tl.load(seq_ptr + row)
+        slot = tl.load(slot_ptr + tl.maximum(seq, 0)).to(tl.int64)
+        return slot, seq >= 0, tl.load(pos_ptr + row) != 0
+    else:
+        return row, row >= 0, row >= 0
+
+
 @triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -43,10 +86,12 @@ def _softplus(x):
 # --- short convolution ---------------------------------------------------------------------------------------
 @triton.jit
 def _short_conv_kernel(
-    x_ptr, w_ptr, b_ptr, win_ptr, out_ptr, tokens, channels, x_sr, x_st, win_sr, out_sr, out_st,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, win_ptr, out_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, channels, x_sr, x_st, win_sr, out_sr,
+    out_st, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, PAGED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     tm, cm = t < tokens, c < channels
@@ -57,57 +102,60 @@ def _short_conv_kernel(
         src = t - (K - 1) + j  # the input position tap j reads; before the step's first token: the window
         wj = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
         xm = ((src >= 0) & tm)[:, None] & cm[None, :]
-        wm = ((src < 0) & tm)[:, None] & cm[None, :]
+        wm = tl.where(carried, ((src < 0) & tm)[:, None] & cm[None, :], False)
         xv = tl.load(x_ptr + row * x_sr + src[:, None] * x_st + c[None, :], mask=xm, other=0.0).to(tl.float32)
-        wv = tl.load(win_ptr + row * win_sr + c[None, :] * (K - 1) + (src + K - 1)[:, None], mask=wm, other=0.0)
+        wv = tl.load(win_ptr + srow * win_sr + c[None, :] * (K - 1) + (src + K - 1)[:, None], mask=wm, other=0.0)
         acc += (xv + wv) * wj[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    acc = tl.where(valid, acc, 0.0)
     tl.store(out_ptr + row * out_sr + t[:, None] * out_st + c[None, :], acc, mask=tm[:, None] & cm[None, :])
 
 
 @triton.jit
 def _conv_window_kernel(
-    x_ptr, win_ptr, tokens, channels, x_sr, x_st, win_sr,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, win_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, channels, x_sr, x_st, win_sr,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The window after the step: the last K - 1 inputs of (old window, the step's tokens)."""
     row = tl.program_id(0).to(tl.int64)
+    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, BLOCK_K)
     cm, jm = c < channels, j < K - 1
     src = tokens - (K - 1) + j
     both = cm[:, None] & jm[None, :]
     xv = tl.load(x_ptr + row * x_sr + src[None, :] * x_st + c[:, None], mask=both & (src >= 0)[None, :], other=0.0)
-    wv = tl.load(win_ptr + row * win_sr + c[:, None] * (K - 1) + (src + K - 1)[None, :],
-                 mask=both & (src < 0)[None, :], other=0.0)
+    wv = tl.load(win_ptr + srow * win_sr + c[:, None] * (K - 1) + (src + K - 1)[None, :],
+                 mask=tl.where(carried, both & (src < 0)[None, :], False), other=0.0)
     new = xv.to(tl.float32) + wv
     tl.debug_barrier()  # every old entry is read before any is overwritten
-    tl.store(win_ptr + row * win_sr + c[:, None] * (K - 1) + j[None, :], new, mask=both)
+    tl.store(win_ptr + srow * win_sr + c[:, None] * (K - 1) + j[None, :], new, mask=tl.where(valid, both, False))
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window: torch.Tensor,
-               silu: bool = False) -> torch.Tensor:
+               silu: bool = False, *, paged: PagedRows | None = None) -> torch.Tensor:
     """x [R, T, C] (last axis contiguous), w [C, K], b [C] or None, window [R, C, K - 1] float32 contiguous,
-    updated in place -> float32 [R, T, C]: out[t, c] = act(b[c] + sum_j w[c, j] * x[t - K + 1 + j, c])."""
+    updated in place -> float32 [R, T, C]: out[t, c] = act(b[c] + sum_j w[c, j] * x[t - K + 1 + j, c]).
+    paged: a paged decode launch (T = 1), window the pool [slots, C, K - 1]."""
     check_float("x", x)
-    rows, tokens, channels = x.shape
+    count, tokens, channels = x.shape
     kernel = w.shape[-1]
     require(tuple(w.shape) == (channels, kernel), f"conv weight {tuple(w.shape)} for {channels} channels")
-    require(window.dtype == torch.float32 and window.is_contiguous()
-            and tuple(window.shape) == (rows, channels, kernel - 1), f"conv window {tuple(window.shape)}")
+    require(paged is None or tokens == 1, "a paged decode launch has one token a row")
+    row_args = _paged_args(paged, window, (channels, kernel - 1), count)
     x, w = unit_stride_last(x), w.contiguous()
-    out = torch.empty(rows, tokens, channels, dtype=torch.float32, device=x.device)
+    out = torch.empty(count, tokens, channels, dtype=torch.float32, device=x.device)
     block_t, block_c = min(_tile(tokens), 32), _tile(channels, 128)
     tile = _warps(x)
-    launch(_short_conv_kernel, (rows, cdiv(tokens, block_t), cdiv(channels, block_c)), tile, x_ptr=x,
+    launch(_short_conv_kernel, (count, cdiv(tokens, block_t), cdiv(channels, block_c)), tile, x_ptr=x,
            w_ptr=w, b_ptr=w if b is None else b, win_ptr=window, out_ptr=out, tokens=tokens, channels=channels,
            x_sr=x.stride(0), x_st=x.stride(1), win_sr=window.stride(0), out_sr=out.stride(0), out_st=out.stride(1),
-           K=kernel, HAS_BIAS=b is not None, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c)
-    if kernel > 1:
-        launch(_conv_window_kernel, (rows, cdiv(channels, block_c)), tile, x_ptr=x, win_ptr=window, tokens=tokens,
+           K=kernel, HAS_BIAS=b is not None, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, **row_args)
+    if kernel > 1:  # after the first launch read the old window
+        launch(_conv_window_kernel, (count, cdiv(channels, block_c)), tile, x_ptr=x, win_ptr=window, tokens=tokens,
                channels=channels, x_sr=x.stride(0), x_st=x.stride(1), win_sr=window.stride(0), K=kernel,
-               BLOCK_K=next_pow2(kernel - 1), BLOCK_C=block_c)
+               BLOCK_K=next_pow2(kernel - 1), BLOCK_C=block_c, **row_args)
     return out
 
 
@@ -121,20 +169,21 @@ def _ssm_heads(dtb_ptr, alog_ptr, d_ptr, h):
 
 @triton.jit
 def _ssm_step_kernel(
-    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, s_ptr, y_ptr, tokens, heads, head_dim, nstate, spread,
-    x_sr, x_st, x_sh, dt_sr, dt_st, b_sr, b_st, b_sg, c_sr, c_st, c_sg, y_sr, y_st, y_sh, lo, hi,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, s_ptr, y_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, heads,
+    head_dim, nstate, spread, x_sr, x_st, x_sh, dt_sr, dt_st, b_sr, b_st, b_sg, c_sr, c_st, c_sg, y_sr, y_st, y_sh,
+    lo, hi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The recurrence, token by token: S = exp(dt a) S + dt x b^T, y = S c + d x."""
     row, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
     g = h // spread
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     pm, nm = p < head_dim, n < nstate
     bias, a, d = _ssm_heads(dtb_ptr, alog_ptr, d_ptr, h)
-    s_off = ((row * heads + h) * head_dim + p[:, None]) * nstate + n[None, :]
+    s_off = ((srow * heads + h) * head_dim + p[:, None]) * nstate + n[None, :]
     sm = pm[:, None] & nm[None, :]
-    S = tl.load(s_ptr + s_off, mask=sm, other=0.0)
+    S = tl.load(s_ptr + s_off, mask=tl.where(carried, sm, False), other=0.0)
     for t in range(tokens):
         dt = _softplus(tl.load(dt_ptr + row * dt_sr + t * dt_st + h).to(tl.float32) + bias)
         dt = tl.minimum(tl.maximum(dt, lo), hi)
@@ -143,8 +192,8 @@ def _ssm_step_kernel(
         cv = tl.load(c_ptr + row * c_sr + t * c_st + g * c_sg + n, mask=nm, other=0.0).to(tl.float32)
         S = S * tl.exp(dt * a) + (x * dt)[:, None] * bv[None, :]
         y = tl.sum(S * cv[None, :], axis=1) + d * x
-        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + p, y, mask=pm)
-    tl.store(s_ptr + s_off, S, mask=sm)
+        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + p, tl.where(valid, y, 0.0), mask=pm)
+    tl.store(s_ptr + s_off, S, mask=tl.where(valid, sm, False))
 
 
 @triton.jit
@@ -193,17 +242,18 @@ def _ssm_chunked_kernel(
 
 def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              d: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, dt_limit: tuple[float, float],
-             *, chunked: bool | None = None) -> torch.Tensor:
+             *, chunked: bool | None = None, paged: PagedRows | None = None) -> torch.Tensor:
     """Mamba2's scan (Tracer.ssm_scan): x [R, T, H, P], dt [R, T, H], b and c [R, T, G, N], a_log, d, dt_bias
     [H], state [R, H, P, N] float32 contiguous, updated in place -> float32 [R, T, H, P] (skip term included).
-    chunked: the SSD form (default for T > 1) or the recurrence (default for T = 1)."""
+    chunked: the SSD form (default for T > 1) or the recurrence (default for T = 1). paged: a paged decode launch
+    (T = 1, the recurrence), state the pool [slots, H, P, N]."""
     for name, t in (("x", x), ("dt", dt), ("b", b), ("c", c)):
         check_float(name, t)
     rows, tokens, heads, head_dim = x.shape
     groups, nstate = b.shape[2], b.shape[3]
     require(heads % groups == 0 and tuple(c.shape) == tuple(b.shape), f"ssm groups {tuple(b.shape)}, {heads} heads")
-    require(state.dtype == torch.float32 and state.is_contiguous()
-            and tuple(state.shape) == (rows, heads, head_dim, nstate), f"ssm state {tuple(state.shape)}")
+    require(paged is None or tokens == 1, "a paged decode launch has one token a row")
+    row_args = _paged_args(paged, state, (heads, head_dim, nstate), rows)
     x, dt, b, c = (unit_stride_last(t) for t in (x, dt, b, c))
     y = torch.empty(rows, tokens, heads, head_dim, dtype=torch.float32, device=x.device)
     block_p, block_n = _tile(head_dim, 32), _tile(nstate)
@@ -215,10 +265,10 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Te
                 c_sg=c.stride(2), y_sr=y.stride(0), y_st=y.stride(1), y_sh=y.stride(2), lo=float(dt_limit[0]),
                 hi=float(dt_limit[1]), BLOCK_P=block_p, BLOCK_N=block_n)
     grid = (rows, heads, cdiv(head_dim, block_p))
-    if chunked:
+    if chunked and paged is None:
         launch(_ssm_chunked_kernel, grid, _warps(x), BLOCK_L=min(CHUNK, _tile(tokens)), **args)
     else:
-        launch(_ssm_step_kernel, grid, _warps(x), **args)
+        launch(_ssm_step_kernel, grid, _warps(x), **args, **row_args)
     return y
 
 
@@ -239,20 +289,21 @@ def _l2(x, eps, axis: tl.constexpr):
 
 @triton.jit
 def _delta_step_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, y_ptr, tokens, v_heads, k_dim, v_dim, spread,
-    q_sr, q_st, q_sh, k_sr, k_st, k_sh, v_sr, v_st, v_sh, a_sr, a_st, b_sr, b_st, y_sr, y_st, y_sh, eps, scale,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, y_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, v_heads,
+    k_dim, v_dim, spread, q_sr, q_st, q_sh, k_sr, k_st, k_sh, v_sr, v_st, v_sh, a_sr, a_st, b_sr, b_st, y_sr, y_st,
+    y_sh, eps, scale, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PAGED: tl.constexpr,
 ):
     """The recurrence, token by token: S = exp(g) S; S += k (beta (v - S^T k))^T; y = S^T q."""
     row, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
     hk = h // spread
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     km, vm = kk < k_dim, vv < v_dim
     alog, bias = tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32)
-    s_off = ((row * v_heads + h) * k_dim + kk[:, None]) * v_dim + vv[None, :]
+    s_off = ((srow * v_heads + h) * k_dim + kk[:, None]) * v_dim + vv[None, :]
     sm = km[:, None] & vm[None, :]
-    S = tl.load(s_ptr + s_off, mask=sm, other=0.0)
+    S = tl.load(s_ptr + s_off, mask=tl.where(carried, sm, False), other=0.0)
     for t in range(tokens):
         q = tl.load(q_ptr + row * q_sr + t * q_st + hk * q_sh + kk[:, None], mask=km[:, None], other=0.0)
         k = tl.load(k_ptr + row * k_sr + t * k_st + hk * k_sh + kk[:, None], mask=km[:, None], other=0.0)
@@ -263,8 +314,8 @@ def _delta_step_kernel(
         S = S * tl.exp(g)
         delta = (v - tl.sum(S * k, axis=0)) * beta
         S = S + k * delta[None, :]
-        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + vv, tl.sum(S * q, axis=0), mask=vm)
-    tl.store(s_ptr + s_off, S, mask=sm)
+        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + vv, tl.where(valid, tl.sum(S * q, axis=0), 0.0), mask=vm)
+    tl.store(s_ptr + s_off, S, mask=tl.where(valid, sm, False))
 
 
 @triton.jit
@@ -323,19 +374,20 @@ def _delta_chunked_kernel(
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, eps: float,
-                *, chunked: bool | None = None) -> torch.Tensor:
+                *, chunked: bool | None = None, paged: PagedRows | None = None) -> torch.Tensor:
     """The gated delta rule (Tracer.gated_delta): q, k [R, T, Hk, Dk], v [R, T, Hv, Dv], a, b [R, T, Hv], a_log
     and dt_bias [Hv], state [R, Hv, Dk, Dv] float32 contiguous, updated in place -> float32 [R, T, Hv, Dv].
     q and k are L2-normalized here (q also scaled by Dk^-1/2). chunked: the WY form (default for T > 1) or the
-    recurrence (default for T = 1)."""
+    recurrence (default for T = 1). paged: a paged decode launch (T = 1, the recurrence), state the pool
+    [slots, Hv, Dk, Dv]."""
     for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
         check_float(name, t)
     rows, tokens, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[2], v.shape[3]
     require(tuple(k.shape) == tuple(q.shape) and v_heads % k_heads == 0, f"delta heads {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}")
-    require(state.dtype == torch.float32 and state.is_contiguous()
-            and tuple(state.shape) == (rows, v_heads, k_dim, v_dim), f"delta state {tuple(state.shape)}")
+    require(paged is None or tokens == 1, "a paged decode launch has one token a row")
+    row_args = _paged_args(paged, state, (v_heads, k_dim, v_dim), rows)
     q, k, v, a, b = (unit_stride_last(t) for t in (q, k, v, a, b))
     y = torch.empty(rows, tokens, v_heads, v_dim, dtype=torch.float32, device=q.device)
     block_k, block_v = _tile(k_dim), _tile(v_dim, 64)
@@ -347,10 +399,10 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 a_st=a.stride(1), b_sr=b.stride(0), b_st=b.stride(1), y_sr=y.stride(0), y_st=y.stride(1),
                 y_sh=y.stride(2), eps=float(eps), scale=float(k_dim) ** -0.5, BLOCK_K=block_k, BLOCK_V=block_v)
     grid = (rows, v_heads, cdiv(v_dim, block_v))
-    if chunked:
+    if chunked and paged is None:
         launch(_delta_chunked_kernel, grid, _warps(q), BLOCK_L=min(CHUNK, _tile(tokens)), **args)
     else:
-        launch(_delta_step_kernel, grid, _warps(q), **args)
+        launch(_delta_step_kernel, grid, _warps(q), **args, **row_args)
     return y
 
 
@@ -391,4 +443,4 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
     return out
 
 
-__all__ = ["CHUNK", "gated_delta", "gated_rms_norm", "short_conv", "ssm_scan"]
+__all__ = ["CHUNK", "PagedRows", "gated_delta", "gated_rms_norm", "short_conv", "ssm_scan"]
