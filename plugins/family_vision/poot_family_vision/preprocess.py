@@ -31,6 +31,17 @@ from poot_core import Reason, RequestError, Unsupported
 MAX_IMAGE_SIZE = 4096  # transformers' bound on the resized longest edge
 
 
+def processor_config(path: str | Path) -> dict[str, Any]:
+    """A checkpoint directory's preprocessor_config.json ({} when absent). Every family here always resizes,
+    rescales and normalizes, so a processor that turns one of them off is refused."""
+    file = Path(path) / "preprocessor_config.json"
+    raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    for key in ("do_resize", "do_rescale", "do_normalize"):
+        if raw.get(key) is False:
+            raise Unsupported(Reason.OPERATION, f"{key} false", "images are always resized, rescaled, normalized")
+    return raw
+
+
 @dataclass(frozen=True)
 class ImageSettings:
     longest_edge: int
@@ -43,8 +54,7 @@ class ImageSettings:
     @classmethod
     def from_dir(cls, path: str | Path, image_size: int) -> ImageSettings:
         """preprocessor_config.json of a checkpoint directory; absent, the tower's own size."""
-        file = Path(path) / "preprocessor_config.json"
-        raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        raw = processor_config(path)
         square = int((raw.get("max_image_size") or {}).get("longest_edge", image_size))
         if square != image_size:
             raise Unsupported(Reason.SHAPE, f"max_image_size {square}", f"the vision tower takes {image_size}")
@@ -74,11 +84,7 @@ class SquareSettings:
 
     @classmethod
     def from_dir(cls, path: str | Path, image_size: int) -> SquareSettings:
-        file = Path(path) / "preprocessor_config.json"
-        raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
-        for key in ("do_resize", "do_rescale", "do_normalize"):
-            if raw.get(key) is False:
-                raise Unsupported(Reason.OPERATION, f"{key} false", "images are always resized, rescaled, normalized")
+        raw = processor_config(path)
         size = raw.get("size") or {}
         height, width = int(size.get("height", image_size)), int(size.get("width", image_size))
         if (height, width) != (image_size, image_size):

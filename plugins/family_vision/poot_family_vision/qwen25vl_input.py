@@ -17,17 +17,15 @@ position + max(h, w).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from poot_core import Reason, RequestError, Unsupported
-from poot_family_vision.preprocess import normalized
+from poot_family_vision.preprocess import normalized, processor_config
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -47,11 +45,7 @@ class QwenImageSettings:
 
     @classmethod
     def from_dir(cls, path: str | Path, patch: int, temporal: int, merge: int) -> QwenImageSettings:
-        file = Path(path) / "preprocessor_config.json"
-        raw: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
-        for key in ("do_resize", "do_rescale", "do_normalize"):
-            if raw.get(key) is False:
-                raise Unsupported(Reason.OPERATION, f"{key} false", "images are always resized, rescaled, normalized")
+        raw = processor_config(path)
         size = raw.get("size") or {}
         found = (int(raw.get("patch_size", patch)), int(raw.get("temporal_patch_size", temporal)),
                  int(raw.get("merge_size", merge)))
