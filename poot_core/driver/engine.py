@@ -513,14 +513,17 @@ class ServingDriver:
 
     def _finish(self, req: _Request, reason: str, error: PootError | None = None, flush: bool = False) -> list[Event]:
         events: list[Event] = []
+        tail = ""
         if flush or reason in ("length", "capacity", "callback"):
             tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]
             tail += req.matcher.flush()
-            if tail:
-                req.pieces.append(tail)
-                events.append(TokenEvent(req.seq.id, -1, tail))
-                if req.on_token:
-                    req.on_token(-1, tail)
+        elif reason == "eos":  # text the stream held for a clean-up of spaces is part of the reply
+            tail, _ = req.matcher.push(req.stream.release())  # type: ignore[attr-defined]
+        if tail:
+            req.pieces.append(tail)
+            events.append(TokenEvent(req.seq.id, -1, tail))
+            if req.on_token:
+                req.on_token(-1, tail)
         self.scheduler.remove(req.seq)
         if self.speculation is not None:
             self.speculation.end(req.seq.id)

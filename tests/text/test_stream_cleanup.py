@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from helpers.paths import TESTDATA, fetched
-from poot_core import Driver, DriverOptions, GenerateRequest, ModelHandle, Sampler, open_executor
+from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Sampler, open_executor
 from poot_core.checkpoint.gguf_file import GGUFFile
+from poot_core.driver.engine import FinishedEvent
 from poot_core.driver.stops import StopMatcher
 from poot_core.text.gguf_vocab import vocabulary_from_gguf
 from poot_core.text.services import TextServices
@@ -126,7 +127,9 @@ def test_driver_text_at_end_of_sequence_keeps_the_held_text(tiny_checkpoint) -> 
     services = _services("gpt-2")
     tiny = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
     handle = ModelHandle(tiny.path, tiny.family, tiny.config(), services, tiny.store(), tiny.files_read)
-    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=96, prefill_chunk=8)).serve()
+    options = DriverOptions(capacity=96, prefill_chunk=8)
+    driver = Driver(handle, open_executor("cpu"), options).serve()
+    engine = Driver(handle, open_executor("cpu"), options).serve(Layout.PAGED)
     eos = tiny.config().eos_ids[0]
     bias = {services.tokenizer.token_to_id("Ġ"): 40.0, services.tokenizer.token_to_id("'"): 40.0, eos: 39.0}
     held_at_end = 0
@@ -138,4 +141,11 @@ def test_driver_text_at_end_of_sequence_keeps_the_held_text(tiny_checkpoint) -> 
         final = services.decode(result.tokens[:-1])
         assert result.text == final, (result.tokens, result.text)
         held_at_end += final.endswith((" ", " '"))
-    assert held_at_end >= 2
+        engine.submit(GenerateRequest([services.tokenizer.token_to_id("I")], max_new=24, sampler=sampler))
+        done = [e for _ in range(60) for e in engine.step() if isinstance(e, FinishedEvent)]
+        assert len(done) == 1
+        if done[0].reason == "eos":  # the engine's sampling draws its own numbers: its own tokens, decoded
+            tokens = done[0].generation.tokens
+            assert done[0].generation.text == services.decode(tokens[:-1]), tokens
+            held_at_end += services.decode(tokens[:-1]).endswith((" ", " '"))
+    assert held_at_end >= 4
