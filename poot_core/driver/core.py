@@ -394,8 +394,11 @@ class Driver:
                 pieces.append(tail)
                 if on_token:
                     on_token(-1, tail)
-        elif reason == "eos":  # text the stream held for a clean-up of spaces is part of the reply
+        elif reason == "eos":
+            # text the stream held for a clean-up of spaces, and a stop string's start the matcher held (it
+            # never completed), are part of the reply
             tail, _ = stops.push(stream.release())
+            tail += stops.flush()
             if tail:
                 pieces.append(tail)
                 if on_token:

@@ -517,8 +517,11 @@ class ServingDriver:
         if flush or reason in ("length", "capacity", "callback"):
             tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]
             tail += req.matcher.flush()
-        elif reason == "eos":  # text the stream held for a clean-up of spaces is part of the reply
+        elif reason == "eos":
+            # text the stream held for a clean-up of spaces, and a stop string's start the matcher held (it
+            # never completed), are part of the reply
             tail, _ = req.matcher.push(req.stream.release())  # type: ignore[attr-defined]
+            tail += req.matcher.flush()
         if tail:
             req.pieces.append(tail)
             events.append(TokenEvent(req.seq.id, -1, tail))

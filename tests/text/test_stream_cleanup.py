@@ -149,3 +149,32 @@ def test_driver_text_at_end_of_sequence_keeps_the_held_text(tiny_checkpoint) -> 
             assert done[0].generation.text == services.decode(tokens[:-1]), tokens
             held_at_end += services.decode(tokens[:-1]).endswith((" ", " '"))
     assert held_at_end >= 4
+
+
+def test_a_stop_strings_start_held_at_end_of_sequence_is_part_of_the_reply(tiny_checkpoint) -> None:
+    """A reply that ends in the start of a stop string ("'" of "'#") and then the model's end-of-sequence id: the
+    stop string never completed, so the held "'" is text of the reply (the decode of every token but the last),
+    in the Driver and in the serving engine."""
+    services = _services("gpt-2")
+    tiny = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    handle = ModelHandle(tiny.path, tiny.family, tiny.config(), services, tiny.store(), tiny.files_read)
+    options = DriverOptions(capacity=96, prefill_chunk=8)
+    driver = Driver(handle, open_executor("cpu"), options).serve()
+    engine = Driver(handle, open_executor("cpu"), options).serve(Layout.PAGED)
+    eos = tiny.config().eos_ids[0]
+    bias = {services.tokenizer.token_to_id("a"): 40.0, services.tokenizer.token_to_id("'"): 40.0, eos: 40.0}
+    prompt = [services.tokenizer.token_to_id("I")]
+    ends_held = 0
+    for seed in range(8):
+        sampler = Sampler(temperature=1.0, seed=seed, logit_bias=bias)
+        request = GenerateRequest(prompt, max_new=24, sampler=sampler, stops=["'#"])
+        result = driver.generate(request)
+        engine.submit(request)
+        done = [e for _ in range(60) for e in engine.step() if isinstance(e, FinishedEvent)]
+        assert len(done) == 1
+        for reason, tokens, text in ((result.stop_reason, result.tokens, result.text),
+                                     (done[0].reason, done[0].generation.tokens, done[0].generation.text)):
+            if reason == "eos":
+                assert text == services.decode(tokens[:-1]), tokens
+                ends_held += text.endswith("'")
+    assert ends_held >= 2
