@@ -387,17 +387,11 @@ class Driver:
         else:
             if request.max_new < 0:
                 reason = "capacity"
-        if reason in ("length", "capacity", "callback") or complete:
-            tail, _ = stops.push(stream.flush())
-            tail += stops.flush()
-            if tail:
-                pieces.append(tail)
-                if on_token:
-                    on_token(-1, tail)
-        elif reason == "eos":
-            # text the stream held for a clean-up of spaces, and a stop string's start the matcher held (it
-            # never completed), are part of the reply
-            tail, _ = stops.push(stream.release())
+        if reason in ("length", "capacity", "callback", "eos") or complete:
+            # the text the stream and the stop matcher still hold is part of the reply (a stop string never
+            # completed); at eos only what the stream held for a clean-up of spaces, not an unfinished character
+            whole = reason != "eos" or complete
+            tail, _ = stops.push(stream.flush() if whole else stream.release())
             tail += stops.flush()
             if tail:
                 pieces.append(tail)

@@ -514,13 +514,11 @@ class ServingDriver:
     def _finish(self, req: _Request, reason: str, error: PootError | None = None, flush: bool = False) -> list[Event]:
         events: list[Event] = []
         tail = ""
-        if flush or reason in ("length", "capacity", "callback"):
-            tail, _ = req.matcher.push(req.stream.flush())  # type: ignore[attr-defined]
-            tail += req.matcher.flush()
-        elif reason == "eos":
-            # text the stream held for a clean-up of spaces, and a stop string's start the matcher held (it
-            # never completed), are part of the reply
-            tail, _ = req.matcher.push(req.stream.release())  # type: ignore[attr-defined]
+        if flush or reason in ("length", "capacity", "callback", "eos"):
+            # the text the stream and the stop matcher still hold is part of the reply (a stop string never
+            # completed); at eos only what the stream held for a clean-up of spaces, not an unfinished character
+            whole = flush or reason != "eos"
+            tail, _ = req.matcher.push(req.stream.flush() if whole else req.stream.release())  # type: ignore[attr-defined]
             tail += req.matcher.flush()
         if tail:
             req.pieces.append(tail)

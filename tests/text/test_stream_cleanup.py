@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -121,16 +122,21 @@ def test_driver_text_equals_the_decode_of_its_tokens(tiny_checkpoint) -> None:
     assert changed == 4
 
 
-def test_driver_text_at_end_of_sequence_keeps_the_held_text(tiny_checkpoint) -> None:
-    """Replies that end in text the clean-up could still have changed (" '", a space) before the model's
-    end-of-sequence id (the tiny config's, a byte of GPT-2's vocabulary): the text is the decode of the rest."""
+def _gpt2_driver_and_engine(tiny_checkpoint) -> tuple[TextServices, Driver, Any, int]:
+    """A tiny llama read through GPT-2's GGUF vocabulary: its services, a Driver, a serving engine, its eos id."""
     services = _services("gpt-2")
     tiny = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
     handle = ModelHandle(tiny.path, tiny.family, tiny.config(), services, tiny.store(), tiny.files_read)
     options = DriverOptions(capacity=96, prefill_chunk=8)
     driver = Driver(handle, open_executor("cpu"), options).serve()
     engine = Driver(handle, open_executor("cpu"), options).serve(Layout.PAGED)
-    eos = tiny.config().eos_ids[0]
+    return services, driver, engine, tiny.config().eos_ids[0]
+
+
+def test_driver_text_at_end_of_sequence_keeps_the_held_text(tiny_checkpoint) -> None:
+    """Replies that end in text the clean-up could still have changed (" '", a space) before the model's
+    end-of-sequence id (the tiny config's, a byte of GPT-2's vocabulary): the text is the decode of the rest."""
+    services, driver, engine, eos = _gpt2_driver_and_engine(tiny_checkpoint)
     bias = {services.tokenizer.token_to_id("Ġ"): 40.0, services.tokenizer.token_to_id("'"): 40.0, eos: 39.0}
     held_at_end = 0
     for seed in range(8):
@@ -155,13 +161,7 @@ def test_a_stop_strings_start_held_at_end_of_sequence_is_part_of_the_reply(tiny_
     """A reply that ends in the start of a stop string ("'" of "'#") and then the model's end-of-sequence id: the
     stop string never completed, so the held "'" is text of the reply (the decode of every token but the last),
     in the Driver and in the serving engine."""
-    services = _services("gpt-2")
-    tiny = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
-    handle = ModelHandle(tiny.path, tiny.family, tiny.config(), services, tiny.store(), tiny.files_read)
-    options = DriverOptions(capacity=96, prefill_chunk=8)
-    driver = Driver(handle, open_executor("cpu"), options).serve()
-    engine = Driver(handle, open_executor("cpu"), options).serve(Layout.PAGED)
-    eos = tiny.config().eos_ids[0]
+    services, driver, engine, eos = _gpt2_driver_and_engine(tiny_checkpoint)
     bias = {services.tokenizer.token_to_id("a"): 40.0, services.tokenizer.token_to_id("'"): 40.0, eos: 40.0}
     prompt = [services.tokenizer.token_to_id("I")]
     ends_held = 0
