@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import gc
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -123,6 +124,29 @@ def step_programs(family: Any, config: Any, executor: Any, weights: Any, shapes:
         return executor.prepare(tracer.graph, weights), tracer.graph
 
     return program
+
+
+def paged_step(engine: Any, seqs: int, tokens_each: int, context: int) -> tuple[Any, dict[str, np.ndarray]]:
+    """A serving engine's program and inputs for a step of `seqs` sequences, each with `tokens_each` new tokens
+    ending at position `context` (1: a decode step, replayed; more: prefill chunks, eager), over blocks of the
+    pool and, for a model with recurrent state, state slots 0 to seqs - 1."""
+    decode = tokens_each == 1
+    tokens = seqs * tokens_each
+    shape = engine._shape(tokens, seqs, decode=decode)
+    prog = engine.program(shape)
+    paging = shape.paging
+    per_seq = math.ceil((context + 1) / paging.block_size)
+    assert seqs * per_seq <= paging.blocks, "the pool is too small for the probe"
+    tables = np.zeros((paging.seqs, paging.max_blocks), dtype=np.int64)
+    tables[:seqs, :per_seq] = np.arange(seqs * per_seq).reshape(seqs, per_seq)
+    positions = np.concatenate([np.arange(context - tokens_each + 1, context + 1)] * seqs)[None, :]
+    inputs = {"tokens": np.ones((1, tokens), dtype=np.int64), "positions": positions,
+              "seq_index": np.repeat(np.arange(seqs, dtype=np.int64), tokens_each), "block_tables": tables,
+              "logit_index": np.arange(seqs, dtype=np.int64) * tokens_each + tokens_each - 1}
+    if paging.state_slots:
+        assert seqs <= paging.state_slots, "the state pool is too small for the probe"
+        inputs["state_slots"] = np.arange(paging.seqs, dtype=np.int64) % paging.state_slots
+    return prog, inputs
 
 
 def greedy(executor: Any, out: Any) -> int:

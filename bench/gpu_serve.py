@@ -166,29 +166,10 @@ def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_toke
     }
 
 
-def probe_step(engine: Any, seqs: int, tokens_each: int, context: int) -> tuple[Any, dict[str, np.ndarray]]:
-    """The engine's program and inputs for a step of `seqs` sequences, each with `tokens_each` new tokens ending
-    at position `context` (1: a decode step, replayed; more: prefill chunks, eager), over blocks of the pool."""
-    decode = tokens_each == 1
-    tokens = seqs * tokens_each
-    shape = engine._shape(tokens, seqs, decode=decode)
-    prog = engine.program(shape)
-    paging = shape.paging
-    per_seq = math.ceil((context + 1) / paging.block_size)
-    assert seqs * per_seq <= paging.blocks, "the pool is too small for the probe"
-    tables = np.zeros((paging.seqs, paging.max_blocks), dtype=np.int64)
-    tables[:seqs, :per_seq] = np.arange(seqs * per_seq).reshape(seqs, per_seq)
-    positions = np.concatenate([np.arange(context - tokens_each + 1, context + 1)] * seqs)[None, :]
-    inputs = {"tokens": np.ones((1, tokens), dtype=np.int64), "positions": positions,
-              "seq_index": np.repeat(np.arange(seqs, dtype=np.int64), tokens_each), "block_tables": tables,
-              "logit_index": np.arange(seqs, dtype=np.int64) * tokens_each + tokens_each - 1}
-    return prog, inputs
-
-
 def decode_step_ms(engine: Any, width: int, context: int, reps: int = 20) -> float:
     """Median ms of one engine decode step of `width` sequences at `context` positions each (the step's
     inputs copied in, the replay, the logits copied out), through the engine's own program for that shape."""
-    prog, inputs = probe_step(engine, width, 1, context)
+    prog, inputs = common.paged_step(engine, width, 1, context)
     return common.synced_ms(lambda: prog.run(engine._state, inputs), reps=reps)
 
 
@@ -199,7 +180,7 @@ def profiles(engine: Any, n: int, prompt: int, new: int, chunk: int) -> dict[str
     for label, (seqs, each, context) in {f"decode{width}": (width, 1, prompt + new // 2),
                                          f"prefill{2 * chunk}": (2, chunk, chunk - 1)}.items():
         try:
-            prog, inputs = probe_step(engine, seqs, each, context)
+            prog, inputs = common.paged_step(engine, seqs, each, context)
             prof = gpu_decode.kernel_profile(prog, engine._state, inputs)
             out[label] = {k: round(v, 1) for k, v in list(prof.items())[:16]}
             log(f"  {label} by kernel (us): " + ", ".join(f"{k[:50]} {v:.0f}" for k, v in out[label].items()))

@@ -1,21 +1,28 @@
-"""Decode ms per token of a Granite-4.0-H-shaped hybrid (Mamba2 layers beside a few attention layers) at several
-context lengths, beside two models cut from the same shape: its Mamba2 layers alone (their share of the step;
-with the embedding and the output head, which do not grow with the context either) and a pure-attention model
-of the same depth and width (the peer whose cost grows with the context).
+"""Decode time of a Granite-4.0-H-shaped hybrid (Mamba2 layers beside a few attention layers) at several batch
+sizes and context lengths, beside two models cut from the same shape: its Mamba2 layers alone (their share of
+the step; with the embedding and the output head, which do not grow with the context either) and a pure-attention
+model of the same depth and width (the peer whose cost grows with the context).
 
 Weights are random, made directly on the executor's device in the layout transformers saves (bf16 on a GPU,
-float32 on the CPU); each variant's one-token decode program runs at positions `context` over a state of that
-capacity, as the Driver replays it (CUDA graphs on the GPU). Prints ms per token per context and the growth from
-the first context to the last (target, issue 21: the Mamba2 layers' share at 16k <= 1.3x its time at 512);
-writes bench/results/hybrid_decode.json.
+float32 on the CPU). Each variant runs in the paged serving engine (Layout.PAGED): for each batch size B its
+decode program of B sequences (one token each, every sequence at the same position over its own KV blocks and
+recurrent state slot: the step the engine replays as a CUDA graph on the GPU) is timed at each context. Prints
+ms per step and per token, the growth from the first context to the last, and the floor: the bytes a step reads
+(every weight but the embedding table, B of its rows, the KV of B x (context + 1) positions, and each sequence's
+recurrent state read and written) over the measured copy bandwidth. A batch whose KV does not fit the engine's
+pool (80% of free memory on the GPU) is reported as not fitting. Target (issue 21): the Mamba2 layers' time at
+16k <= 1.3x their time at 512; the hybrid's per-token time growing far less than the attention model's.
+--contiguous also times the batch-1 one-token program of the contiguous Driver (the earlier figure). Writes
+bench/results/hybrid_decode.json.
 
     python bench/hybrid_decode.py                                   # cuda, Granite-4.0-H-Micro-like shape
-    python bench/hybrid_decode.py --backend cpu --shape tiny --contexts 64,512 --reps 3   # smoke
+    python bench/hybrid_decode.py --backend cpu --shape tiny --contexts 64,512 --batch 1,4 --reps 3   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -105,15 +112,76 @@ def open_backend(name: str) -> tuple[Any, torch.device, torch.dtype, Any]:
     return CudaExecutor(), torch.device("cuda", 0), torch.bfloat16, lambda fn, reps: common.synced_ms(fn, reps=reps)
 
 
-def decode_ms(executor: Any, device: torch.device, dtype: torch.dtype, timer: Any, config: Any,
-              contexts: list[int], capacity: int, reps: int) -> dict[int, float]:
-    """ms per one-token decode step of `config` at each context (the step at that position)."""
+def model_parts(variant: str, config: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """(family, model config, random store) of one variant."""
     from poot_core import Registry
 
     hf = {**config.to_dict(), "architectures": ["GraniteMoeHybridForCausalLM"]}
     family = Registry.builtin().resolve("GraniteMoeHybridForCausalLM")
-    model_config = family.config_from_hf(hf)
-    weights = executor.upload(RandomStore(config, device, dtype))
+    return family, family.config_from_hf(hf), RandomStore(config, device, dtype)
+
+
+def weight_bytes(store: RandomStore, batch: int) -> int:
+    """Weight bytes a decode step of `batch` rows reads: every weight but the embedding table, and its rows."""
+    embed = store.w["model.embed_tokens.weight"]
+    total = sum(w.numel() * w.element_size() for w in store.w.values())
+    return total - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
+
+
+def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: Any, variant: str, config: Any,
+               batches: list[int], contexts: list[int], capacity: int, reps: int, bandwidth: float) -> dict[str, Any]:
+    """ms per decode step of the serving engine at each batch and context, with each step's floor."""
+    from poot_core import Driver, DriverOptions, Layout, ModelHandle
+
+    family, model_config, store = model_parts(variant, config, device, dtype)
+    handle = ModelHandle(Path(f"random-{variant}"), family, model_config, None, store, [])
+    most = max(batches)
+    options = DriverOptions(capacity=capacity, max_running=most, state_slots=most, prefix_cache=False)
+    engine = Driver(handle, executor, options).serve(Layout.PAGED)
+    graph = engine.driver._trace(engine._shape(1, 1, decode=True))
+    recurrent = {n for n, spec in graph.state.items() if spec.recurrent}
+    state = engine._state
+    slots = engine.slots.slots if engine.slots is not None else 1
+    per_slot = sum(t.numel() * t.element_size() for n, t in state.items() if n in recurrent) // slots
+    positions = engine.pool.blocks * engine.block_size
+    per_position = sum(t.numel() * t.element_size() for n, t in state.items() if n not in recurrent) / positions
+    out: dict[str, Any] = {"kv_blocks": engine.pool.blocks, "state_slots": slots, "kv_bytes_per_position":
+                           per_position, "state_bytes_per_slot": per_slot, "batches": {}}
+    common.log(f"{variant}: {engine.pool.blocks} KV blocks ({per_position * positions / 1e9:.1f} GB), {slots} state "
+               f"slots of {per_slot / 1e6:.1f} MB")
+    for batch in batches:
+        rows: dict[str, Any] = {}
+        for context in contexts:
+            need = batch * -(-(context + 1) // engine.block_size)
+            if need > engine.pool.blocks:
+                rows[str(context)] = {"not_run": f"{batch} x {context + 1} positions of KV "
+                                      f"({need * engine.block_size * per_position / 1e9:.1f} GB) do not fit the pool "
+                                      f"of {engine.pool.blocks} blocks ({positions * per_position / 1e9:.1f} GB)"}
+                continue
+            prog, inputs = common.paged_step(engine, batch, 1, context)
+            ms = timer(lambda prog=prog, inputs=inputs, state=state: prog.run(state, inputs), reps)
+            read = weight_bytes(store, batch) + batch * (context + 1) * per_position + 2 * batch * per_slot
+            floor = read / bandwidth * 1000
+            rows[str(context)] = {"ms_per_step": ms, "ms_per_token": ms / batch, "floor_ms": floor,
+                                  "of_floor": floor / ms, "bytes_read": read}
+        timed = [c for c in contexts if "ms_per_step" in rows[str(c)]]
+        entry: dict[str, Any] = {"contexts": rows}
+        if len(timed) > 1:
+            entry["growth"] = rows[str(timed[-1])]["ms_per_step"] / rows[str(timed[0])]["ms_per_step"]
+            entry["growth_of"] = f"{timed[-1]}/{timed[0]}"
+        out["batches"][str(batch)] = entry
+        common.log(f"{variant:>12} B={batch:<3}: " + "; ".join(
+            f"{c}: {r['ms_per_step']:.3f} ms/step {r['ms_per_token']:.4f} ms/tok (floor {r['floor_ms']:.3f}, "
+            f"{r['of_floor']:.0%})" if "ms_per_step" in r else f"{c}: does not fit" for c, r in rows.items())
+            + (f"; {entry['growth_of']}: {entry['growth']:.2f}x" if "growth" in entry else ""))
+    return out
+
+
+def contiguous_ms(executor: Any, device: torch.device, dtype: torch.dtype, timer: Any, config: Any,
+              contexts: list[int], capacity: int, reps: int) -> dict[int, float]:
+    """ms per one-token decode step of the contiguous Driver's program (batch 1) at each context."""
+    family, model_config, store = model_parts("contiguous", config, device, dtype)
+    weights = executor.upload(store)
     shapes = {n: tuple(w.shape) for n, w in weights.items()} if isinstance(weights, dict) else \
         {n: tuple(w.shape) for n, w in weights.tensors.items()}
     program = common.step_programs(family, model_config, executor, weights, shapes, capacity)
@@ -126,41 +194,88 @@ def decode_ms(executor: Any, device: torch.device, dtype: torch.dtype, timer: An
     return out
 
 
+def free_device(device: torch.device) -> None:
+    """Give back a variant's weights and state before the next is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--shape", default="granite_h", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="512,4096,16384")
+    ap.add_argument("--batch", default="1,16,64", help="sequences per decode step of the serving engine")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--contiguous", action="store_true", help="also the contiguous Driver's batch-1 program")
     ap.add_argument("--out", default="hybrid_decode", help="results name (bench/results/<name>.json)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
     capacity = max(contexts) + 16
     executor, device, dtype, timer = open_backend(args.backend)
+    if device.type == "cuda":
+        import gpu_decode
+
+        bandwidth = gpu_decode.copy_bandwidth() * 1e9
+    else:
+        bandwidth = common.copy_bandwidth()
     shape = SHAPES[args.shape]
     result: dict[str, Any] = {"backend": args.backend, "shape": args.shape, "shape_fields": shape,
-                              "dtype": str(dtype), "contexts": contexts, "variants": {}}
+                              "dtype": str(dtype), "contexts": contexts, "batches": batches,
+                              "copy_GBps": bandwidth / 1e9, "variants": {}}
     if device.type == "cuda":
         result["device"] = torch.cuda.get_device_name(device)
-    for variant in args.variants.split(","):
-        ms = decode_ms(executor, device, dtype, timer, hf_config(shape, variant, capacity), contexts, capacity,
-                       args.reps)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the variant's weights and state are gone: give their memory back
-        growth = ms[contexts[-1]] / ms[contexts[0]]
-        result["variants"][variant] = {"ms_per_token": {str(c): v for c, v in ms.items()}, "growth": growth}
-        common.log(f"{variant:>12}: " + ", ".join(f"{c}: {v:.3f} ms" for c, v in ms.items())
-                   + f"; {contexts[-1]}/{contexts[0]}: {growth:.2f}x")
+    common.log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     variants = result["variants"]
-    if "hybrid" in variants and "mamba_layers" in variants:
-        share = {str(c): variants["mamba_layers"]["ms_per_token"][str(c)] / variants["hybrid"]["ms_per_token"][str(c)]
-                 for c in contexts}
-        result["mamba_share"] = share
-        common.log("Mamba2 layers' share of the hybrid's step: " + ", ".join(f"{c}: {v:.0%}" for c, v in share.items())
-                   + f"; their growth {variants['mamba_layers']['growth']:.2f}x (target <= 1.3x)")
+    for variant in args.variants.split(","):
+        config = hf_config(shape, variant, capacity)
+        entry = variants[variant] = paged_rows(executor, device, dtype, timer, variant, config, batches, contexts,
+                                               capacity, args.reps, bandwidth)
+        free_device(device)
+        if args.contiguous:
+            ms = contiguous_ms(executor, device, dtype, timer, config, contexts, capacity, args.reps)
+            free_device(device)
+            entry["contiguous_batch1"] = {"ms_per_token": {str(c): v for c, v in ms.items()},
+                                          "growth": ms[contexts[-1]] / ms[contexts[0]]}
+            common.log(f"{variant:>12} contiguous B=1: " + ", ".join(f"{c}: {v:.3f} ms" for c, v in ms.items()))
+        common.write(args.out, result)  # what ran so far survives a later variant's failure
+    summary(result, batches, contexts)
     print("wrote", common.write(args.out, result))
     return 0
+
+
+def summary(result: dict[str, Any], batches: list[int], contexts: list[int]) -> None:
+    """Per batch: the hybrid's and the attention model's per-token time and growth side by side, and the Mamba2
+    layers' growth (the target)."""
+    variants = result["variants"]
+
+    def row(variant: str, batch: int) -> dict[str, Any]:
+        return variants.get(variant, {}).get("batches", {}).get(str(batch), {})
+
+    common.log("\n=== summary: ms per token (per step / batch); growth from the first context to the last ===")
+    for batch in batches:
+        for variant in VARIANTS:
+            r = row(variant, batch)
+            if not r:
+                continue
+            cells = [f"{r['contexts'][str(c)]['ms_per_token']:.4f}" if "ms_per_token" in r["contexts"][str(c)]
+                     else "n/f" for c in contexts]
+            growth = f"{r['growth']:.2f}x ({r['growth_of']})" if "growth" in r else "-"
+            common.log(f"B={batch:<3} {variant:>12}: " + " / ".join(cells) + f" at {contexts}; growth {growth}")
+        hybrid, attention = row("hybrid", batch), row("attention", batch)
+        if hybrid and attention:
+            ratio = {str(c): hybrid["contexts"][str(c)]["ms_per_token"] / attention["contexts"][str(c)]["ms_per_token"]
+                     for c in contexts if "ms_per_token" in hybrid["contexts"][str(c)]
+                     and "ms_per_token" in attention["contexts"][str(c)]}
+            hybrid["vs_attention"] = ratio
+            common.log(f"B={batch:<3} hybrid / attention per token: " + ", ".join(f"{c}: {v:.2f}x"
+                                                                              for c, v in ratio.items()))
+        mamba = row("mamba_layers", batch)
+        if mamba and "growth" in mamba:
+            common.log(f"B={batch:<3} Mamba2 layers' growth {mamba['growth']:.2f}x (target <= 1.3x)")
 
 
 if __name__ == "__main__":
