@@ -93,11 +93,12 @@ def copy_bandwidth() -> float:
 
 
 def random_weight(kind: str, rows: int, cols: int, gen: torch.Generator) -> Any:
-    """A random [rows, cols] matrix in `kind`'s stored form, on the GPU: valid scales, random codes."""
+    """A random [rows, cols] matrix in `kind`'s stored form, on the GPU: valid scales, random codes (bf16 also
+    on the generator's device)."""
     from poot_core import PackedWeight
 
     if kind == "bfloat16":
-        return torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").normal_(0.0, 0.02, generator=gen)
+        return torch.empty(rows, cols, dtype=torch.bfloat16, device=gen.device).normal_(0.0, 0.02, generator=gen)
     big = 2**31 - 1
     if kind.startswith("gguf."):
         t = kind.removeprefix("gguf.")
@@ -142,15 +143,15 @@ def stored_bytes(w: Any) -> int:
 
 
 class GpuStore(common.DeviceStore):
-    """Random weights of `kind` made on the GPU."""
+    """Random weights of `kind` made on the GPU (bf16 also on the CPU: device="cpu")."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], kind: str, seed: int = 0) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], kind: str, seed: int = 0, device: str = "cuda") -> None:
         super().__init__()
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
         for name, shape in shapes.items():
             matrix = len(shape) == 2 and "embed" not in name and "lm_head" not in name
             if len(shape) == 1:
-                self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+                self.w[name] = torch.ones(shape, dtype=torch.bfloat16, device=device)
             else:
                 self.w[name] = random_weight(kind if matrix else "bfloat16", shape[0], shape[1], gen)
         self.layer_bytes = sum(stored_bytes(w) for n, w in self.w.items() if ".layers." in n)

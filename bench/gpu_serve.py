@@ -42,10 +42,20 @@ log = common.log
 
 
 class ModuloText:
-    """A small tokenizer's text services for the ids of a larger vocabulary: id mod the small vocabulary."""
+    """A small tokenizer's text services for the ids of a larger vocabulary (`vocab` of them): id mod the small
+    vocabulary. What it does not define is the small tokenizer's own (encoding text, chat templates)."""
 
-    def __init__(self, text: Any, size: int) -> None:
-        self.text, self.size, self.vocab = text, size, text.vocab
+    def __init__(self, text: Any, size: int, vocab: int) -> None:
+        self.text, self.size, self.vocab, self._ids = text, size, text.vocab, vocab
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.text, name)
+
+    def vocab_size(self) -> int:
+        return self._ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.text.decode([t % self.size for t in ids], skip_special)
 
     def stream(self, context: list[int] | None = None) -> Any:
         return _ModuloStream(self.text.stream([t % self.size for t in context or []]), self.size)
@@ -62,8 +72,8 @@ class _ModuloStream:
         return self.inner.flush()
 
 
-def random_handle(hf: dict[str, Any]) -> Any:
-    """A ModelHandle over random bf16 weights of the `hf` shape, made on the GPU."""
+def random_handle(hf: dict[str, Any], device: str = "cuda") -> Any:
+    """A ModelHandle over random bf16 weights of the `hf` shape, made on `device` (the GPU, or "cpu")."""
     from helpers import tiny
     from poot_core import ModelHandle
     from poot_family_llama.plugin import DenseDecoder
@@ -71,8 +81,8 @@ def random_handle(hf: dict[str, Any]) -> Any:
     family = DenseDecoder("llama", "llama", ("LlamaForCausalLM", "llama"))
     config = family.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     small = ModelHandle.load(tiny.build(Path(tempfile.mkdtemp()), "llama", layers=1))
-    text = ModuloText(small.text(), small.config().vocab_size)
-    store = gpu_decode.GpuStore(gpu_decode.llama_shapes(hf), "bfloat16")
+    text = ModuloText(small.text(), small.config().vocab_size, hf["vocab_size"])
+    store = gpu_decode.GpuStore(gpu_decode.llama_shapes(hf), "bfloat16", device=device)
     return ModelHandle(Path("llama-3-8b-shape"), family, config, text, store, [])
 
 

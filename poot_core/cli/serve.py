@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def check_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace, check_model: bool = True) -> None:
     runtime.check_device_flags(args)
     for flag, value in (("--max-running", args.max_running), ("--step-tokens", args.step_tokens),
                         ("--embedding-rows", args.embedding_rows)):
@@ -72,7 +73,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise RequestError("--max-queued and --drain must be >= 0")
     if not 0 <= args.port < 65536:
         raise RequestError(f"--port must be in 0..65535, got {args.port}")
-    if not Path(args.model).exists():
+    if check_model and not Path(args.model).exists():
         raise RequestError(f"no checkpoint at {args.model}")
     for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model)):
         if value is not None and not Path(value).is_dir():
@@ -84,26 +85,41 @@ def _name(path: str) -> str:
     return p.stem if p.is_file() else (p.name or p.resolve().name)
 
 
-def _loader(args: argparse.Namespace) -> Any:
+def engine_options(args: argparse.Namespace, executor: Any, config: Any) -> Any:
+    """The DriverOptions of the serving engine the flags ask for on `executor` (the backend's defaults where a
+    flag is not given)."""
+    from poot_core import DriverOptions
+
+    ctx = runtime.choose_context(args, config.max_positions, DEFAULT_CTX)
+    step_tokens = args.step_tokens or executor.capabilities().defaults.step_tokens
+    return DriverOptions(capacity=ctx, prefill_chunk=min(runtime.batch_size(args, executor), ctx, step_tokens),
+                         kv_blocks=args.kv_blocks, step_tokens=step_tokens, max_running=args.max_running,
+                         prefix_cache=not args.no_prefix_cache)
+
+
+ModelOpener = Callable[[argparse.Namespace, Any], Any]  # (flags, executor) -> the ModelHandle to serve
+
+
+def _open_checkpoint(args: argparse.Namespace, executor: Any) -> Any:
+    from poot_core import ModelHandle
+
+    return ModelHandle.load(args.model, options=runtime.load_options(args))
+
+
+def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
     def load(state: Any) -> Any:
-        from poot_core import CrossEncoder, Driver, DriverOptions, Layout, ModelHandle, SentenceEncoder
+        from poot_core import CrossEncoder, Driver, Layout, ModelHandle, SentenceEncoder
         from poot_core.server.bridge import EngineBridge
         from poot_core.server.encoders import EncoderWorker
         from poot_core.server.state import Loaded
 
         executor = runtime.open_device(args)
         runtime.Threads(args.threads, args.threads_batch).for_decode()
-        handle = ModelHandle.load(args.model, options=runtime.load_options(args))
+        handle = open_model(args, executor)
         config = handle.config()
         if config.kind == "encoder":
             raise RequestError(f"{args.model} is an encoder model: serve it with --embedding-model")
-        ctx = runtime.choose_context(args, config.max_positions, DEFAULT_CTX)
-        defaults = executor.capabilities().defaults
-        step_tokens = args.step_tokens or defaults.step_tokens
-        options = DriverOptions(capacity=ctx, prefill_chunk=min(runtime.batch_size(args, executor), ctx, step_tokens),
-                                kv_blocks=args.kv_blocks, step_tokens=step_tokens,
-                                max_running=args.max_running, prefix_cache=not args.no_prefix_cache)
-        engine = Driver(handle, executor, options).serve(Layout.PAGED)
+        engine = Driver(handle, executor, engine_options(args, executor, config)).serve(Layout.PAGED)
         state.settings.max_running = engine.limits.max_running  # admission counts the backend's default too
         encoder = reranker = None
         if args.embedding_model is not None:  # encoders get executors of their own: they run in other threads
@@ -123,8 +139,10 @@ def _loader(args: argparse.Namespace) -> Any:
     return load
 
 
-def run(args: argparse.Namespace) -> int:
-    check_flags(args)
+def run(args: argparse.Namespace, open_model: ModelOpener | None = None) -> int:
+    """Serve until stopped. `open_model` gives the model instead of loading the checkpoint args.model names
+    (the benchmarks serve random weights made on the device this way; args.model is then only its name)."""
+    check_flags(args, check_model=open_model is None)
     try:
         import uvicorn
 
@@ -152,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         failure.append(message)
         server.should_exit = True
 
-    app = create_app(state, _loader(args), on_load_failure)
+    app = create_app(state, _loader(args, open_model or _open_checkpoint), on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=int(args.drain) + 5, access_log=args.verbose)
     server = Server(config)
