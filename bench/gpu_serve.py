@@ -187,8 +187,10 @@ def profiles(engine: Any, n: int, prompt: int, new: int, chunk: int) -> dict[str
     """Device microseconds by kernel of a decode step at the workload's batch and of a step of prefill chunks."""
     out = {}
     width = 1 << (n.bit_length() - 1)
+    whole = min(chunk, prompt)  # a step of whole prompts as the workload's prefill runs them, within the tables
+    fill = max(1, chunk // whole)
     for label, (seqs, each, context) in {f"decode{width}": (width, 1, prompt + new // 2),
-                                         f"prefill{2 * chunk}": (2, chunk, chunk - 1)}.items():
+                                         f"prefill{fill}x{whole}": (fill, whole, whole - 1)}.items():
         try:
             prog, inputs = common.paged_step(engine, seqs, each, context)
             prof = gpu_decode.kernel_profile(prog, engine._state, inputs)

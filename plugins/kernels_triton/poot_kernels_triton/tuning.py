@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -281,7 +282,14 @@ def tuning_for_device(device: torch.device) -> Tuning:
         return INTERPRETER
     if device.type != "cuda":
         raise Unsupported(Reason.BACKEND, device.type, "Triton kernels run on cuda/hip devices or the interpreter")
-    props = torch.cuda.get_device_properties(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _tuning_of_gpu(index)
+
+
+@functools.cache
+def _tuning_of_gpu(index: int) -> Tuning:
+    # Cached: every kernel launch asks, and reading the device's properties costs microseconds each time.
+    props = torch.cuda.get_device_properties(index)
     if torch.version.hip:
         return tuning_for_target("hip", props.gcnArchName)
     return tuning_for_target("cuda", props.major * 10 + props.minor)
