@@ -29,17 +29,19 @@ from gpu_decode import HF_LLAMA3_8B  # noqa: E402
 
 import common  # noqa: E402
 
-MODELS = {"llama8b": (HF_LLAMA3_8B, "bfloat16"), "llama8b_q4k": (HF_LLAMA3_8B, "gguf.Q4_K")}
+MODELS = {"smollm2": (vulkan_decode.SMOLLM2_135M, "bfloat16"), "llama8b": (HF_LLAMA3_8B, "bfloat16"),
+          "llama8b_q4k": (HF_LLAMA3_8B, "gguf.Q4_K")}
 log = common.log
 
 
-PRODUCTS = ("gemv", "gemv3", "linear")  # linear/logits products: cl/gemv.cl (one token), cl/linear.cl
+PRODUCTS = ("gemv", "gemv3", "gemv_gated", "linear")  # linear/logits products: cl/gemv.cl (one token), cl/linear.cl
 
 
 def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds: int = 5) -> dict[str, Any]:
-    """Where one decode step's time goes (medians over `rounds` steps at `position`): host ms of the enqueue loop
-    alone, host ms waiting for the queue after it, the device ms of every kernel summed by kernel name (from
-    profiling events), products against the rest."""
+    """Where one decode step's time goes (medians over `rounds` steps at `position`): host ms of the step's
+    enqueue alone (as run() does it), host ms waiting for the queue after it, and from a second enqueue of the
+    same launches through pyopencl with events, the device ms of every kernel summed by kernel name, products
+    against the rest."""
     import statistics
     import time
 
@@ -51,11 +53,13 @@ def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds
         dec.run(state, {"tokens": np.array([[1]]), "positions": np.array([[position]])})
         rt.finish()
         t0 = time.perf_counter()
-        events = [(launch.kernel.function_name, launch.enqueue(rt.queue)) for launch in step.launches]
+        step.enqueue()  # the step's own enqueue path (no events)
         t1 = time.perf_counter()
         rt.finish()
         enqueue.append(t1 - t0)
         wait.append(time.perf_counter() - t1)
+        events = [(launch.kernel.function_name, launch.enqueue(rt.queue)) for launch in step.launches]
+        rt.finish()
         sums: dict[str, float] = {}
         for name, event in events:
             if event is not None:
@@ -87,6 +91,7 @@ def opencl_extras(backend_result: dict[str, Any], hf: dict[str, Any], kind: str,
     state = ex.allocate_state(graph)
     backend_result["host_run_ms"] = vulkan_decode.host_run_ms(ex, dec, state, prompt, new)
     backend_result["launches_per_step"] = len(dec.step.launches)
+    backend_result["direct_enqueue"] = dec.step.enqueue.direct
     backend_result["device"] = ex.capabilities().notes
     backend_result["profile"] = step_profile(ex, dec, state, prompt + new // 2)
 

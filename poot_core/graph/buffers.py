@@ -80,13 +80,14 @@ class BufferPool(Generic[B, A]):
             raise Unsupported(Reason.OPERATION, f"{node.op} input {name}", "the value is not computed by the step")
         return found
 
-    def read_later(self, names: Iterable[str], at: int) -> None:
-        """Node `at + 1` reads these too (a fusion moved node `at`'s work into it): a value whose last reader
-        was `at` lives until after `at + 1`."""
+    def read_later(self, names: Iterable[str], at: int, reader: int | None = None) -> None:
+        """Node `reader` (default `at + 1`) reads these too (a fusion moved node `at`'s work into it): a value
+        whose last reader was `at` lives until after `reader`."""
+        reader = at + 1 if reader is None else reader
         for name in names:
-            if self.last_use.get(name, -1) == at:
-                self.last_use[name] = at + 1
-                self._late.setdefault(at + 1, []).append(name)
+            if at <= self.last_use.get(name, -1) < reader:
+                self.last_use[name] = reader
+                self._late.setdefault(reader, []).append(name)
 
     def last_reader(self, name: str, at: int) -> bool:
         """Whether node `at` is the last reader of value `name` and nothing else lives in its buffer (so the

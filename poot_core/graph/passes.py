@@ -8,6 +8,10 @@
 - `add_norm_pairs`: a residual add whose sum the next node RMS-normalizes (one kernel can do both).
 - `shared_input_linears`: linears that read the same value (q/k/v, gate/up), which one product over their
   joined weights can compute.
+- `gated_linear_pairs`: a gated activation of two linears of one input (gate/up): one product kernel can
+  apply the activation as it writes, the two products' values never stored.
+- `rope_attention_triples`: the q and k ropes an attention alone reads: one kernel can rotate both and write
+  the new keys and values into the cache.
 
 A new op is one `OPS` entry plus one `op_<name>` handler per backend.
 """
@@ -175,5 +179,62 @@ def shared_input_linears(nodes: Sequence[Node]) -> list[list[int]]:
     return [group for group in by_input.values() if len(group) > 1]
 
 
+def readers(nodes: Sequence[Node], outputs: Sequence[str] = ()) -> dict[str, list[int]]:
+    """Each value's reading nodes, in program order; a graph output also gets the index len(nodes)."""
+    found: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for ref in dict.fromkeys(node.inputs):
+            if isinstance(ref, ValueRef):
+                found.setdefault(ref.name, []).append(i)
+    for name in outputs:
+        found.setdefault(name, []).append(len(nodes))
+    return found
+
+
+def _producers(nodes: Sequence[Node]) -> dict[str, int]:
+    return {node.output: i for i, node in enumerate(nodes)}
+
+
+def gated_linear_pairs(graph: Graph) -> list[tuple[int, int, int]]:
+    """(gate, up, gated) node indices where a gated node reads two bias-free linears of stored weights over the
+    same input (gate first), which nothing else reads, and the up linear stands right before the gated node:
+    one product kernel can write act(gate) * up directly (the gate/up rows side by side)."""
+    nodes = graph.nodes
+    made, read = _producers(nodes), readers(nodes, graph.outputs)
+    found = []
+    for i, node in enumerate(nodes):
+        if node.op != "gated" or not all(isinstance(r, ValueRef) for r in node.inputs[:2]):
+            continue
+        g, u = (made.get(r.name, -1) for r in node.inputs[:2])
+        if (g < 0 or u != i - 1 or g == u or linear_weight(nodes[g]) is None or linear_weight(nodes[u]) is None
+                or nodes[g].inputs[0] != nodes[u].inputs[0]):
+            continue
+        if read[nodes[g].output] == [i] and read[nodes[u].output] == [i]:
+            found.append((g, u, i))
+    return found
+
+
+def rope_attention_triples(graph: Graph) -> list[tuple[int, int, int]]:
+    """(q rope, k rope, attention) node indices where attention's q and k are ropes of its own positions with
+    the same attributes, read by nothing else: one kernel can rotate both and write the new keys (and the
+    values) into the cache where the attention stands."""
+    nodes = graph.nodes
+    made, read = _producers(nodes), readers(nodes, graph.outputs)
+    found = []
+    for i, node in enumerate(nodes):
+        if node.op != "attention" or not all(isinstance(r, ValueRef) for r in node.inputs[:2]):
+            continue
+        q, k = (made.get(r.name, -1) for r in node.inputs[:2])
+        if q < 0 or k < 0 or q == k or nodes[q].op != "rope" or nodes[k].op != "rope":
+            continue
+        if (nodes[q].attrs != nodes[k].attrs or nodes[q].input(1) != node.input(3)
+                or nodes[k].input(1) != node.input(3)):
+            continue
+        if read[nodes[q].output] == [i] and read[nodes[k].output] == [i]:
+            found.append((q, k, i))
+    return found
+
+
 __all__ = ["DISTRIBUTED_OPS", "HANDLER", "HYBRID_OPS", "OPS", "VISION_OPS", "Dispatch", "OpSpec", "add_norm_pairs",
-           "dead_after", "handled_ops", "last_use", "linear_weight", "shared_input_linears"]
+           "dead_after", "gated_linear_pairs", "handled_ops", "last_use", "linear_weight", "readers",
+           "rope_attention_triples", "shared_input_linears"]

@@ -146,6 +146,24 @@ def test_read_later_keeps_a_value_for_the_next_node():
     assert m.buffer in (a.buffer, s.buffer)
 
 
+def test_read_later_by_a_later_reader_keeps_a_value_until_it():
+    graph = graph_of(
+        Node("f", ("ids",), "a", (4,)),
+        Node("f", ("a",), "r", (4,)),  # a deferred rope: node 3 computes it from a
+        Node("f", ("ids",), "b", (4,)),
+        Node("f", ("r", "b"), "c", (4,)),
+        Node("f", ("c",), "d", (4,)),
+        outputs=("d",),
+    )
+    planner = Planner(graph)
+    a = planner.plan(0)
+    planner.pool.read_later(["a"], 1, 3)
+    r, b, c = planner.plan(1), planner.plan(2), planner.plan(3)
+    assert a.buffer not in (r.buffer, b.buffer, c.buffer)  # without it, b would take a's buffer
+    d = planner.plan(4)
+    assert d.buffer in (a.buffer, r.buffer, b.buffer)
+
+
 def test_last_reader_is_true_only_for_a_sole_value_at_its_last_reader():
     graph = graph_of(
         Node("f", ("ids",), "a", (4,)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,6 +50,36 @@ def test_add_norm_pairs_are_the_two_residual_adds_of_each_block(graph):
     assert len(pairs) == 2 * LAYERS
     for i in pairs:
         assert graph.nodes[i].op == "add" and graph.nodes[i + 1].op == "rms_norm"
+
+
+def test_gated_linear_pairs_are_gate_up_of_each_block(graph):
+    pairs = passes.gated_linear_pairs(graph)
+    assert len(pairs) == LAYERS
+    for gate, up, gated in pairs:
+        names = [str(passes.linear_weight(graph.nodes[i])).split(".")[-2] for i in (gate, up)]
+        assert names == ["gate_proj", "up_proj"] and up == gated - 1 and graph.nodes[gated].op == "gated"
+
+
+def test_rope_attention_triples_are_q_and_k_of_each_attention(graph):
+    triples = passes.rope_attention_triples(graph)
+    assert len(triples) == LAYERS
+    for q, k, at in triples:
+        attention = graph.nodes[at]
+        assert attention.op == "attention" and q < k < at
+        assert [ValueRef(graph.nodes[i].output) for i in (q, k)] == list(attention.inputs[:2])
+
+
+def test_fusion_passes_skip_values_read_elsewhere(graph):
+    """A gate or a rope read by a second node is not fused away."""
+    nodes = list(graph.nodes)
+    gate, _, gated = passes.gated_linear_pairs(graph)[0]
+    q, _, _ = passes.rope_attention_triples(graph)[0]
+    extra = [Node("scale", (ValueRef(nodes[i].output),), f"extra{i}", nodes[i].shape, {"factor": 2.0})
+             for i in (gate, q)]
+    changed = dataclasses.replace(graph, nodes=nodes + extra)
+    assert len(passes.gated_linear_pairs(changed)) == LAYERS - 1
+    assert len(passes.rope_attention_triples(changed)) == LAYERS - 1
+    assert gated not in [g for _, _, g in passes.gated_linear_pairs(changed)]
 
 
 def test_each_value_dies_once_after_its_last_reader(graph):

@@ -78,6 +78,19 @@ def test_dense_families_match_cpu(tiny_checkpoint, opencl, arch):
     check_parity(ModelHandle.load(tiny_checkpoint(arch, torch.float32)), opencl)
 
 
+def test_a_decode_step_fuses_its_one_token_neighbours(tiny_checkpoint, opencl):
+    """A llama decode step: per layer the residual add and rms_norm, q/k/v, both ropes with the k/v cache
+    writes, the two attention kernels, o, gate/up with their activation and down (nine launches), plus the
+    embedding, the last norm, the head and the argmax; no separate rope, cache write, activation or copy."""
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    program = Driver(handle, opencl, DriverOptions(capacity=48)).program(StepShape(1, 1, 48))
+    names = [launch.kernel.function_name for launch in program.step.launches]
+    layers = sum(node.op == "attention" for node in program.graph.nodes)
+    assert names.count("rope_qkv") == names.count("gemv_gated") == layers
+    assert not {"rope", "kv_write", "gated", "copy", "add"} & set(names)
+    assert layers > 1 and len(names) == 9 * layers + 4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_weights_match_cpu(tiny_checkpoint, opencl, dtype):
     """16-bit weights as stored (bf16 bit patterns, f16 through vload_half), multiplied as float32 products of

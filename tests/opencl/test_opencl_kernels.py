@@ -147,6 +147,23 @@ def test_joint_one_token_products(rt, fmt, counts):
         assert rel(read(rt, y), want) < 1e-5
 
 
+@pytest.mark.parametrize(("fmt", "rows", "cols", "act"), [
+    ("bf16", 7, 256, "silu"), ("f32", 10, 96, "gelu_tanh"), ("Q4_K", 13, 512, "silu"), ("Q8_0", 5, 96, "relu"),
+])
+def test_gate_up_products_with_their_activation(rt, fmt, rows, cols, act):
+    """One token's gate and up products and act(gate) * up in one launch (cl/gemv.cl gemv_gated), rows not a
+    multiple of a work-group's, against float64 over the stored values and the CPU executor's activation."""
+    (gate, g_values), (up, u_values) = stored(fmt, rows, cols, seed=rows), stored(fmt, rows, cols, seed=rows + 1)
+    wg, wu = device_weight(rt, gate, fmt, rows, cols), device_weight(rt, up, fmt, rows, cols)
+    assert ops.gated_fusable(rt, wg, wu)
+    x = np.random.default_rng(cols).standard_normal((1, cols)).astype(np.float32) * 0.2
+    y = empty(rt, 1, rows)
+    run(rt, ops.linear_gated(rt, wg, wu, arr(rt, x), y, act))
+    g, u = (x.astype(np.float64) @ values.astype(np.float64).T for values in (g_values, u_values))
+    want = cpu_ops.activation(torch.from_numpy(g), act).numpy() * u
+    assert rel(read(rt, y), want) < 1e-5
+
+
 def test_expert_gate_skips_unchosen_tokens(rt):
     """An expert's product (gate column e of the routing weights): tokens that did not choose it give 0."""
     rows, cols, tokens = 4, 64, 10
@@ -162,9 +179,11 @@ def test_expert_gate_skips_unchosen_tokens(rt):
     np.testing.assert_allclose(read(rt, y), want, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_with_residual_matches_cpu(rt):
+@pytest.mark.parametrize("width", [200, 9000])
+def test_rms_norm_with_residual_matches_cpu(rt, width):
+    """A row held in registers (200: ragged against the work-group) and one too wide for them (9000: the loop)."""
     rng = np.random.default_rng(6)
-    tokens, width = 3, 200
+    tokens = 3
     x, r, w = (rng.standard_normal(s).astype(np.float32) for s in ((tokens, width), (tokens, width), (width,)))
     out, total = empty(rt, tokens, width), empty(rt, tokens, width)
     run(rt, ops.rms_norm(rt, arr(rt, x), arr(rt, w), out, tokens, width, 1e-6, 1.0, residual=arr(rt, r),
@@ -198,6 +217,31 @@ def test_rope_and_its_cache_write_match_cpu(rt, style):
     kept = read(rt, cache)
     assert rel(kept[start : start + tokens], want) < 1e-5
     assert not kept[:start].any() and not kept[start + tokens :].any()
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_qkv_rotates_q_and_k_and_writes_the_caches(rt, style):
+    """An attention's q and k ropes and its k/v cache writes in one launch: GQA (4 query heads over 2), a
+    partial rotation (24 of 32 features), positions 5..7, against the CPU executor's rope; k and v rows land in
+    the caches at those positions and nowhere else."""
+    rng = np.random.default_rng(17)
+    tokens, heads, kv_heads, head_dim, dim, capacity, start = 3, 4, 2, 32, 24, 12, 5
+    q = rng.standard_normal((tokens, heads, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    positions = torch.arange(start, start + tokens)[None]
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    inv = inverse_frequencies(10000.0, dim, tuple(sorted(scaling.items())))
+    cos, sin = cpu_ops.rope_tables(positions, 10000.0, dim, scaling)
+    want_q, want_k = (cpu_ops.rope(torch.from_numpy(a)[None], cos, sin, style)[0].numpy() for a in (q, k))
+    q_out, k_out = empty(rt, tokens, heads, head_dim), empty(rt, tokens, kv_heads, head_dim)
+    kc, vc = (Arr(rt.zeros(4 * capacity * kv_heads * head_dim), (capacity, kv_heads, head_dim)) for _ in range(2))
+    run(rt, ops.rope_qkv(rt, arr(rt, q), q_out, arr(rt, k), k_out, arr(rt, v), kc, vc,
+                         arr(rt, positions.numpy()[0].astype(np.uint32)), arr(rt, np.asarray(inv, dtype=np.float32)),
+                         tokens, heads, kv_heads, head_dim, dim, style == "neox", 1.0))
+    assert rel(read(rt, q_out), want_q) < 1e-5 and rel(read(rt, k_out), want_k) < 1e-5
+    for cache, want in ((read(rt, kc), want_k), (read(rt, vc), v)):
+        assert rel(cache[start : start + tokens], want) < 1e-5
+        assert not cache[:start].any() and not cache[start + tokens :].any()
 
 
 @pytest.mark.parametrize(("tokens", "start", "window", "softcap", "split_len"), [
@@ -262,13 +306,15 @@ def test_elementwise_and_softcap_match_numpy(rt):
 
 def test_argmax_takes_the_lowest_id_on_ties(rt):
     rng = np.random.default_rng(10)
-    x = rng.standard_normal((3, 1000)).astype(np.float32)
-    x[1, [17, 640]] = 50.0  # a tie: numpy's argmax takes 17
-    x[2, :] = -3.0
-    ids = Arr(rt.buffer(12), (3,), "u32")
-    run(rt, ops.argmax(rt, arr(rt, x), ids, 3, 1000))
-    rt.finish()
-    np.testing.assert_array_equal(rt.read(ids.buf, 3, np.uint32), np.argmax(x, axis=1))
+    for n in (1000, 5003):  # 5003: past eight loads a work-item, then a tail
+        x = rng.standard_normal((4, n)).astype(np.float32)
+        x[1, [17, 640]] = 50.0  # a tie: numpy's argmax takes 17
+        x[2, :] = -3.0
+        x[3, [n - 1, 300, 4000 % n]] = 60.0  # a tie of lanes read in different rounds
+        ids = Arr(rt.buffer(16), (4,), "u32")
+        run(rt, ops.argmax(rt, arr(rt, x), ids, 4, n))
+        rt.finish()
+        np.testing.assert_array_equal(rt.read(ids.buf, 4, np.uint32), np.argmax(x, axis=1))
 
 
 @pytest.mark.parametrize("attrs", [

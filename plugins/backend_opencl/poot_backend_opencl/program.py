@@ -60,6 +60,12 @@ class OpenCLProgram:
             self.inputs["positions"] = Arr(runtime.buffer(4 * self.tokens), (self.tokens,), "u32")
         self._buffers: BufferPool[Any, Arr] = BufferPool(graph, runtime.buffer, Arr, lambda a: a.buf)
         self._add_norm = set(passes.add_norm_pairs(graph.nodes))
+        # fusions of one-token neighbours (poot_core.graph.passes): gate/up + gated, q/k ropes + attention
+        self._gated = {g: (gate, up) for gate, up, g in passes.gated_linear_pairs(graph)}
+        self._gated_ups = {up for up, _ in self._gated.values()}
+        self._rope_triples = {a: (q, k) for q, k, a in passes.rope_attention_triples(graph)}
+        self._rope_readers = {r: a for a, qk in self._rope_triples.items() for r in qk}
+        self._deferred_ropes: set[str] = set()  # outputs of ropes computed by their attention's rope_qkv
         self._fused_adds: dict[str, tuple[Arr, Arr]] = {}
         self._rope_tables: dict[str, tuple[Arr, float]] = {}
         self._ropes: dict[str, tuple[Node, int]] = {}  # rope output -> (node, index of its launch)
@@ -146,6 +152,7 @@ class OpenCLProgram:
         x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
         out = self._new(node)
         tokens = self._rows(x, w.cols, node)
+        self._keep_gated_input(node)
         run = self._linear_run
         between = self.graph.nodes[run[1] + 1 : self._at] if run is not None else []
         if (tokens == 1 and run is not None and run[0] == node.inputs[0].name
@@ -159,6 +166,12 @@ class OpenCLProgram:
                 return []
         self._linear_run = (node.inputs[0].name, self._at, [(w, out, b)], len(self._launches)) if tokens == 1 else None
         return [ops.linear(self.rt, w, x, out, tokens, bias=b)]
+
+    def _keep_gated_input(self, node: Node) -> None:
+        """An up product whose gated node may write act(gate) * up in the gate/up launch: x is read there, so it
+        must outlive this node (the gated output may not take its buffer)."""
+        if self._at in self._gated_ups:
+            self._buffers.read_later([node.inputs[0].name], self._at)
 
     def op_logits(self, node: Node) -> list[Launch]:
         x, w = self._value(node, 0), self._matrix(node, 1)
@@ -201,6 +214,11 @@ class OpenCLProgram:
             raise Unsupported(Reason.SHAPE, f"rope of {a['dim']} features", f"heads have {head_dim}")
         table, factor = self._rope_table(a)
         out = self._new(node)
+        attention = self._rope_readers.get(self._at)
+        if attention is not None and head_dim % 2 == 0:  # its attention's rope_qkv computes it
+            self._deferred_ropes.add(node.output)
+            self._buffers.read_later([node.inputs[0].name], self._at, attention)
+            return []
         self._ropes[node.output] = (node, len(self._launches))
         return [ops.rope(self.rt, x, out, positions, table, tokens, heads, head_dim, int(a["dim"]), style == "neox",
                          factor)]
@@ -238,6 +256,18 @@ class OpenCLProgram:
         splits = -(-capacity // split_len)
         width = kv_heads * head_dim
         k_slot, v_slot = Slot(k_name), Slot(v_name)
+        fused = self._rope_triples.get(self._at)
+        deferred = [self.graph.nodes[i].output in self._deferred_ropes for i in fused or ()]
+        if any(deferred) and not all(deferred):
+            raise Unsupported(Reason.SHAPE, f"attention q {q.shape}, k {k.shape}", "q and k heads differ in size")
+        if fused is not None and all(deferred):
+            rq, rk = (self.graph.nodes[i] for i in fused)
+            table, factor = self._rope_table(rq.attrs)
+            launches = [ops.rope_qkv(self.rt, self._value(rq, 0), q, self._value(rk, 0), k, v, k_slot, v_slot,
+                                     positions, table, tokens, heads, kv_heads, head_dim, int(rq.attrs["dim"]),
+                                     rq.attrs.get("style", "neox") == "neox", factor)]
+            return launches + self._attend(node, q, k_slot, v_slot, positions, tokens, heads, kv_heads, head_dim,
+                                           split_len, splits, scale, window, softcap)
         launches = [ops.kv_write(self.rt, v, v_slot, positions, tokens, width)]
         rope = self._ropes.get(node.inputs[1].name)
         if rope is not None and rope[0].inputs[1] == node.inputs[3]:
@@ -250,18 +280,34 @@ class OpenCLProgram:
                                           ra.get("style", "neox") == "neox", factor, cache=k_slot)
         else:
             launches.append(ops.kv_write(self.rt, k, k_slot, positions, tokens, width))
+        return launches + self._attend(node, q, k_slot, v_slot, positions, tokens, heads, kv_heads, head_dim,
+                                       split_len, splits, scale, window, softcap)
+
+    def _attend(self, node: Node, q: Arr, k_slot: Slot, v_slot: Slot, positions: Arr, tokens: int, heads: int,
+                kv_heads: int, head_dim: int, split_len: int, splits: int, scale: float, window: int,
+                softcap: float) -> list[Launch]:
         out = self._new(node)
         part = self._buffers.scratch("attention", (tokens, heads, splits, head_dim + 2))
-        launches += ops.attention(self.rt, q, k_slot, v_slot, positions, out, part, tokens, heads, kv_heads, head_dim,
-                                  split_len, splits, scale, window, softcap)
-        return launches
+        return ops.attention(self.rt, q, k_slot, v_slot, positions, out, part, tokens, heads, kv_heads, head_dim,
+                             split_len, splits, scale, window, softcap)
 
     def op_gated(self, node: Node) -> list[Launch]:
         act = node.attrs.get("act", "silu")
         if act not in GATED:
             raise Unsupported(Reason.OPERATION, f"gated {act}", f"the opencl kernels have {', '.join(GATED)}")
         gate, up = self._value(node, 0), self._value(node, 1)
-        return [ops.gated(self.rt, gate, up, self._new(node), act)]
+        out = self._new(node)
+        pair, run = self._gated.get(self._at), self._linear_run
+        if pair is not None and run is not None and run[1] == pair[1] and len(run[2]) == 2:
+            (w_gate, gate_out, gate_bias), (w_up, up_out, up_bias) = run[2]
+            if (gate_out is gate and up_out is up and gate_bias is None and up_bias is None
+                    and ops.gated_fusable(self.rt, w_gate, w_up)):
+                # the gate/up launch writes act(gate) * up itself (passes.gated_linear_pairs)
+                self._launches[run[3]] = ops.linear_gated(self.rt, w_gate, w_up, self._value(self.graph.nodes[
+                    pair[1]], 0), out, act)
+                self._linear_run = None
+                return []
+        return [ops.gated(self.rt, gate, up, out, act)]
 
     def op_activation(self, node: Node) -> list[Launch]:
         act = node.attrs.get("act")
@@ -297,6 +343,9 @@ class OpenCLProgram:
             raise Unsupported(Reason.SHAPE, "last_position by slot", "paged steps are not run by opencl")
         x = self._value(node, 0)
         width = x.shape[-1]
+        if self.tokens == 1 and x.size == width:  # the only position: the same values
+            self._buffers.define(node.output, x.view(tuple(node.shape)))
+            return []
         return [ops.copy(self.rt, x, self._new(node), width, (self.tokens - 1) * width)]
 
     def _expert_matrices(self, node: Node, count: int) -> list[tuple[DeviceWeight, ...]]:

@@ -1,8 +1,8 @@
 """Running a prepared step: bind the state's buffers (once per state), enqueue every launch, copy the outputs.
 
-Host work per step is one enqueue per kernel: arguments were bound when the step was prepared, the start
-position travels in the positions buffer, and the KV caches are rebound only when the caller hands a different
-state.
+Host work per step is one enqueue per kernel (kernels/enqueue.py: the library's call, no event): arguments
+were bound when the step was prepared, the start position travels in the positions buffer, and the KV caches
+are rebound only when the caller hands a different state.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .kernels.enqueue import Enqueuer
 from .kernels.launch import Arr, Launch
 from .kernels.runtime import Runtime
 
@@ -31,6 +32,7 @@ class Step:
         self.launches = launches
         self._slotted = [launch for launch in launches if launch.slots]
         self._bound: tuple[int, ...] | None = None
+        self.enqueue = Enqueuer(runtime.queue, launches)
 
     def bind(self, state: dict[str, Any]) -> None:
         key = tuple(id(state[name]) for name in sorted(state))
@@ -41,9 +43,7 @@ class Step:
 
     def run(self, state: dict[str, Any], outputs: list[Arr], ids: Arr | None) -> list[Output]:
         self.bind(state)
-        queue = self.runtime.queue
-        for launch in self.launches:
-            launch.enqueue(queue)
+        self.enqueue()
         results = []
         for value in outputs:
             nbytes = 4 * value.size

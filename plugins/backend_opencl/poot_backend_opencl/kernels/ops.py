@@ -22,9 +22,11 @@ FORMATS: dict[str, tuple[int, int]] = {
     "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }
+_KERNEL_HELPERS = {"gemv": ("activate",)}  # cl/gemv.cl's gemv_gated applies an activation
 _HELPERS = {"IQ4_NL": ("iq4_values",), "IQ4_XS": ("iq4_values",), "Q4_K": ("kscale",), "Q5_K": ("kscale",)}
 
 Buffer = Arr | Slot
+ELEMENTWISE = ("activate", "elementwise")
 
 
 def row_bytes(fmt: str, cols: int) -> int:
@@ -35,7 +37,7 @@ def row_bytes(fmt: str, cols: int) -> int:
 def format_sources(fmt: str, kernels: str = "linear") -> tuple[str, ...]:
     if fmt not in FORMATS:
         raise Unsupported(Reason.QUANTIZATION, fmt, f"the OpenCL kernels read {', '.join(FORMATS)}")
-    return ("common", *_HELPERS.get(fmt, ()), f"fmt_{fmt.lower()}", kernels)
+    return ("common", *_HELPERS.get(fmt, ()), *_KERNEL_HELPERS.get(kernels, ()), f"fmt_{fmt.lower()}", kernels)
 
 
 def _k(rt: Runtime, sources: tuple[str, ...], name: str, **defines: Any) -> Any:
@@ -103,16 +105,38 @@ def linear_many(rt: Runtime, ws: list[DeviceWeight], x: Arr, ys: list[Arr], bias
                    *(b or rt.dummy for b in biases), mask])
 
 
+def gated_fusable(rt: Runtime, gate: DeviceWeight, up: DeviceWeight) -> bool:
+    """Whether one token's gate and up products and their gated activation can be one cl/gemv.cl gemv_gated
+    launch: one format and shape, read by gemv with at least two rows a work-group."""
+    shape = gemv_shape(rt, gate) if fusable(rt, [gate, up]) and gate.rows == up.rows else None
+    return shape is not None and shape[1] >= 2
+
+
+def linear_gated(rt: Runtime, gate: DeviceWeight, up: DeviceWeight, x: Arr, y: Arr, act: str) -> Launch:
+    """y = act(gate x) * up x for one token in one launch. Check `gated_fusable` first."""
+    shape = gemv_shape(rt, gate)
+    assert shape is not None and gated_fusable(rt, gate, up)
+    group, per = shape
+    kernel = _k(rt, format_sources(gate.fmt, "gemv"), "gemv_gated", GEMV_GROUP=group, GEMV_ROWS=per)
+    return Launch(rt, kernel, (-(-gate.rows // (per // 2)) * group,), (group,),
+                  [gate, up, gate.row_bytes, gate.row0, up.row0, x, gate.cols, gate.rows, y, ACTIVATIONS[act]])
+
+
 def embed(rt: Runtime, w: DeviceWeight, ids: Arr, out: Arr, tokens: int, scale: float) -> Launch:
     group = rt.limits.group
     return Launch(rt, _k(rt, format_sources(w.fmt), "embed"), (tokens * group,), (group,),
                   [w, w.row_bytes, w.rows, w.cols, ids, out, scale])
 
 
+NORM_REGISTERS = 32  # most values of a row one work-item of rms_norm keeps in registers
+
+
 def rms_norm(rt: Runtime, x: Arr, w: Arr, out: Arr, tokens: int, width: int, eps: float, offset: float,
              residual: Arr | None = None, sum_out: Arr | None = None) -> Launch:
-    group = rt.limits.gemv_group  # one work-group a row: the widest the products use (the row is read twice)
-    return Launch(rt, _k(rt, ("common", "norm"), "rms_norm", GROUP=group), (tokens * group,), (group,),
+    group = rt.limits.gemv_group  # one work-group a row: the widest the products use
+    values = -(-width // group)
+    kernel = _k(rt, ("common", "norm"), "rms_norm", GROUP=group, NORM_VALS=values if values <= NORM_REGISTERS else 0)
+    return Launch(rt, kernel, (tokens * group,), (group,),
                   [x, residual or rt.dummy, residual is not None, sum_out or rt.dummy, w, out, width, eps, offset])
 
 
@@ -121,6 +145,16 @@ def rope(rt: Runtime, x: Arr, out: Arr, positions: Arr, inv_freq: Arr, tokens: i
     return Launch(rt, _k(rt, ("rope",), "rope"), (heads, tokens), None,
                   [x, out, positions, inv_freq, heads, head_dim, dim, neox, factor, cache or rt.dummy,
                    cache is not None])
+
+
+def rope_qkv(rt: Runtime, q: Arr, q_out: Arr, k: Arr, k_out: Arr, v: Arr, k_cache: Buffer, v_cache: Buffer,
+             positions: Arr, inv_freq: Arr, tokens: int, q_heads: int, kv_heads: int, head_dim: int, dim: int,
+             neox: bool, factor: float) -> Launch:
+    """An attention's q and k ropes and its k/v cache writes in one launch (cl/rope.cl rope_qkv); head_dim
+    even."""
+    return Launch(rt, _k(rt, ("rope",), "rope_qkv"), (head_dim // 2, q_heads + 2 * kv_heads, tokens), None,
+                  [q, q_out, k, k_out, v, k_cache, v_cache, positions, inv_freq, q_heads, kv_heads, head_dim, dim,
+                   neox, factor])
 
 
 def kv_write(rt: Runtime, src: Arr, cache: Buffer, positions: Arr, tokens: int, width: int) -> Launch:
@@ -148,7 +182,7 @@ def attention(rt: Runtime, q: Arr, k_cache: Buffer, v_cache: Buffer, positions: 
 
 
 def _elementwise(rt: Runtime, name: str, n: int, args: list[Any]) -> Launch:
-    return Launch(rt, _k(rt, ("elementwise",), name), (rounded(n),), None, args)
+    return Launch(rt, _k(rt, ELEMENTWISE, name), (rounded(n),), None, args)
 
 
 def gated(rt: Runtime, gate: Arr, up: Arr, out: Arr, act: str) -> Launch:
@@ -177,7 +211,7 @@ def copy(rt: Runtime, src: Arr, out: Arr, count: int, src_offset: int = 0) -> La
 
 def argmax(rt: Runtime, x: Arr, ids: Arr, rows: int, n: int) -> Launch:
     group = rt.limits.gemv_group  # one work-group over a vocabulary's logits: the widest the products use
-    return Launch(rt, _k(rt, ("elementwise",), "argmax", GROUP=group), (rows * group,), (group,), [x, ids, n])
+    return Launch(rt, _k(rt, ELEMENTWISE, "argmax", GROUP=group), (rows * group,), (group,), [x, ids, n])
 
 
 def moe_route(rt: Runtime, logits: Arr, bias: Arr | None, weights: Arr, tokens: int, experts: int,

@@ -1,12 +1,4 @@
-// Element-wise ops over n floats. act: 0 silu, 1 gelu (tanh), 2 gelu (erf), 3 relu, 4 sigmoid.
-
-inline float activate(float x, int act) {
-    if (act == 0) return x / (1.0f + exp(-x));
-    if (act == 1) return 0.5f * x * (1.0f + tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    if (act == 2) return 0.5f * x * (1.0f + erf(x * 0.7071067811865476f));
-    if (act == 3) return fmax(x, 0.0f);
-    return 1.0f / (1.0f + exp(-x));
-}
+// Element-wise ops over n floats (activate.cl is compiled in before this file).
 
 kernel void gated(global const float* gate, global const float* up, global float* out, int n, int act) {
     int i = get_global_id(0);
@@ -51,8 +43,19 @@ kernel void argmax(global const float* x, global uint* ids, int n) {
     global const float* xr = x + (size_t)r * n;
     float b = -INFINITY;
     int at = n;
-    for (int i = lid; i < n; i += GROUP) {
-        if (at == n || xr[i] > b) {  // increasing i: a tie keeps the lower index
+    int i = lid;
+    for (; i + 7 * GROUP < n; i += 8 * GROUP) {  // eight loads in flight before they are compared
+        float a[8];
+        for (int j = 0; j < 8; j++) a[j] = xr[i + j * GROUP];
+        for (int j = 0; j < 8; j++) {
+            if (at == n || a[j] > b) {  // increasing index: a tie keeps the lower one
+                b = a[j];
+                at = i + j * GROUP;
+            }
+        }
+    }
+    for (; i < n; i += GROUP) {
+        if (at == n || xr[i] > b) {
             b = xr[i];
             at = i;
         }
