@@ -231,8 +231,9 @@ def test_smollm2_gguf_matches_cpu(vulkan):
 
 def test_one_token_step_reads_each_concatenation_in_one_dispatch(tiny_checkpoint, vulkan):
     """q/k/v and gate/up are uploaded as one matrix each (the parts are row ranges sharing its buffer); a
-    one-token step runs each group as one dispatch: 3 fewer a layer than with the parts run alone. (That
-    the fused step computes the same logits is test_decode_steps_with_split_keys_match_cpu.)"""
+    one-token step runs each group as one dispatch, gate/up with its activation applied: 4 fewer a layer than
+    with the parts run alone (q/k/v 3 -> 1, gate, up and the activation 3 -> 1). (That the fused step computes
+    the same logits is test_decode_steps_with_split_keys_match_cpu.)"""
     import dataclasses
 
     handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
@@ -245,7 +246,23 @@ def test_one_token_step_reads_each_concatenation_in_one_dispatch(tiny_checkpoint
     graph = trace(handle, StepShape(1, 1, 64))
     fused = vulkan.prepare(graph, weights).step.dispatch_count
     alone = vulkan.prepare(graph, dataclasses.replace(weights, concatenated={})).step.dispatch_count
-    assert alone - fused == 3 * layers
+    assert alone - fused == 4 * layers
+
+
+def test_ropes_and_cache_writes_of_an_attention_are_one_dispatch(tiny_checkpoint, vulkan):
+    """The q and k ropes that only their attention reads (passes.rope_attention_triples) and the writes of the
+    new keys and values run as one rope_kv dispatch a layer, in prefill and decode steps; a one-token step's
+    last position is a view (no copy). (Their logits: the CPU comparisons of this file.)"""
+    import collections
+
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    weights = vulkan.upload(handle.store())
+    layers = handle.config().params.layers
+    for tokens in (1, 4):
+        step = vulkan.prepare(trace(handle, StepShape(1, tokens, 64)), weights).step
+        kinds = collections.Counter(str(d.pipeline.label) for d, _ in step._records)
+        assert kinds["rope_kv"] == layers and kinds["rope"] == 0, kinds
+        assert kinds["copy"] == (0 if tokens == 1 else 1), kinds  # the last position of a prefill
 
 
 def test_refuses_head_dims_not_a_multiple_of_four(vulkan):

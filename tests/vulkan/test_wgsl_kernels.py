@@ -22,7 +22,7 @@ from poot_backend_vulkan.kernels.attention import attention_decode, attention_pr
 from poot_backend_vulkan.kernels.elementwise import add, argmax, gated_activation
 from poot_backend_vulkan.kernels.linear import embed, gemv, linear
 from poot_backend_vulkan.kernels.norms import layer_norm, rms_norm
-from poot_backend_vulkan.kernels.positional import kv_write, rope, rope_inv_freq
+from poot_backend_vulkan.kernels.positional import kv_write, rope, rope_inv_freq, rope_kv
 from poot_backend_vulkan.kernels.runtime import Runtime, vulkan_adapters
 from poot_backend_vulkan.kernels.weights import upload_weight
 from poot_core.errors import CapacityError, Unsupported
@@ -155,6 +155,36 @@ def test_gemv_writes_a_concatenation_to_its_parts(rt: Runtime, small_rt: Runtime
             assert rel_err(runtime.read(out), ref) < HALF
 
 
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def _gelu_tanh(v: np.ndarray) -> np.ndarray:
+    return 0.5 * v * (1.0 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "Q4_K"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_gemv_writes_the_activation_of_gate_times_up(rt: Runtime, fmt: str, act: str) -> None:
+    """gate/up as one matrix (37 gate rows, then 37 up rows: a workgroup's last pairs past the end) and the
+    activation applied where the products are summed, with every reduction and with split-K (the combine
+    gates then); the result is act(x @ gate^T) * (x @ up^T)."""
+    rng = np.random.default_rng(14)
+    inter, cols = 37, 512
+    data, dense = make_weight(fmt, 2 * inter, cols, rng)
+    weight = upload_weight(rt, data, fmt, (2 * inter, cols))
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    both = x.astype(np.float64) @ dense.T.astype(np.float64)
+    want = {"silu": _silu, "gelu_tanh": _gelu_tanh}[act](both[:, :inter]) * both[:, inter:]
+    for subgroups, splits in itertools.product(_reductions(rt), (1, 2)):
+        out = rt.empty((1, inter))
+        args = (rt.upload(x), weight, out, None, *subgroups, splits, act)
+        run(rt, lambda batch, args=args: gemv(batch, *args))
+        assert rel_err(rt.read(out), want) < BOUNDS[fmt], (subgroups, splits)
+    with pytest.raises(Unsupported):
+        gemv(rt.batch(), rt.upload(x), weight, rt.empty((1, inter)), gated="relu")
+
+
 @pytest.mark.parametrize("fmt", ["f16", "Q8_0", "Q6_K"])
 def test_linear_splits_a_matrix_larger_than_one_binding(small_rt: Runtime, fmt: str) -> None:
     rng = np.random.default_rng(2)
@@ -280,6 +310,45 @@ def test_rope_rotates_half_at_each_position(rt: Runtime, rot_dim: int) -> None:
     want[..., :half] = x1 * np.cos(angle) - x2 * np.sin(angle)
     want[..., half:rot_dim] = x2 * np.cos(angle) + x1 * np.sin(angle)
     assert rel_err(rt.read(dx), want) < F32
+
+
+def rope_reference(x: np.ndarray, positions: np.ndarray, inv: np.ndarray, style: str) -> np.ndarray:
+    """x [tokens, heads, head_dim] rotated in float64 at the float32 angles the shader computes."""
+    angle = (positions[:, None].astype(np.float32) * inv[None, :]).astype(np.float64)[:, None, :]
+    rot = 2 * inv.size
+    first, second = (np.arange(rot // 2), np.arange(rot // 2, rot)) if style == "neox" else \
+        (np.arange(0, rot, 2), np.arange(1, rot, 2))
+    x1, x2 = x[..., first].astype(np.float64), x[..., second].astype(np.float64)
+    want = x.astype(np.float64).copy()
+    want[..., first] = x1 * np.cos(angle) - x2 * np.sin(angle)
+    want[..., second] = x2 * np.cos(angle) + x1 * np.sin(angle)
+    return want
+
+
+@pytest.mark.parametrize(("style", "rot_dim"), [("neox", 32), ("neox", 16), ("interleaved", 32), ("interleaved", 8)])
+def test_rope_kv_rotates_q_and_writes_the_caches(rt: Runtime, style: str, rot_dim: int) -> None:
+    """The one dispatch before attention: q rotated into its own buffer, k rotated and v copied into the
+    caches' rows from the start on (other rows untouched), as rope and kv_write compute them."""
+    rng = np.random.default_rng(13)
+    tokens, heads, kv_heads, head_dim, capacity, start = 3, 4, 2, 32, 10, 5
+    q, k, v = (rng.standard_normal((tokens, h, head_dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
+    k_host, v_host = (rng.standard_normal((capacity, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    positions = np.arange(start, start + tokens, dtype=np.uint32)
+    inv = rope_inv_freq(rot_dim, 10000.0)
+    q_out, k_cache, v_cache = rt.empty(q.shape), rt.upload(k_host), rt.upload(v_host)
+    args = (rt.upload(q), rt.upload(k), rt.upload(v), q_out, k_cache, v_cache, rt.upload(positions, "u32"),
+            rt.upload(inv), start)
+    run(rt, lambda b: rope_kv(b, *args, style=style, factor=1.5))
+    assert rel_err(rt.read(q_out), 1.5 * rope_reference(q, positions, inv, style) - 0.5 * (
+        np.arange(head_dim) >= rot_dim) * q) < F32
+    want_k = k_host.astype(np.float64).copy()
+    want_k[start : start + tokens] = 1.5 * rope_reference(k, positions, inv, style) - 0.5 * (
+        np.arange(head_dim) >= rot_dim) * k
+    assert rel_err(rt.read(k_cache), want_k) < F32
+    v_host[start : start + tokens] = v
+    np.testing.assert_array_equal(rt.read(v_cache), v_host)
+    with pytest.raises(CapacityError):
+        rope_kv(rt.batch(), *args[:-1], capacity - 2)
 
 
 def test_kv_write_places_rows_and_refuses_overflow(rt: Runtime) -> None:

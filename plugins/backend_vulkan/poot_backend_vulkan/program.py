@@ -88,10 +88,17 @@ class VulkanProgram:
         self._add_norm = set(passes.add_norm_pairs(graph.nodes))
         self._shared_input = {i: group for group in passes.shared_input_linears(graph.nodes) for i in group}
         self._rope_tables: dict[tuple[Any, ...], tuple[DeviceArray, float]] = {}
+        # q and k ropes that only their attention reads run inside it (positional.rope_kv): rope index ->
+        # attention index, and rope output -> (input, positions, table, factor, style) until the attention
+        self._rope_into = {r: i for q, k, i in passes.rope_attention_triples(graph) for r in (q, k)}
+        self._ropes: dict[str, tuple[DeviceArray, DeviceArray, DeviceArray, float, str]] = {}
         # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
         # sum name -> (a, b), with a and b kept alive until the norm has read them
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
+        # a one-token gate/up product whose two parts only a gated activation reads writes act(gate) * up
+        # itself: gate linear index -> (up linear index, gated index)
+        self._gated = {g: (u, i) for g, u, i in passes.gated_linear_pairs(graph)}
         dispatch: passes.Dispatch[Emitter | None] = passes.Dispatch(self, "vulkan")
         emitters: list[Emitter] = []
         for index, node in enumerate(graph.nodes):
@@ -178,8 +185,17 @@ class VulkanProgram:
             return None
         x, w, b = self._value(node, 0), self._matrix(node, 1), self._optional(node, 2)
         group = None if b is not None else self._concatenated_partners(node)
+        flat_x = _view(x, (x.size // w.cols, w.cols))
+        gated = self._gated_by(node, group)
+        if group is not None and gated is not None:  # act(gate) * up written by the product; neither is stored
+            whole, (up,) = group
+            act_node = self.graph.nodes[self._gated[self._at][1]]
+            self._filled.update((up.output, act_node.output))
+            array = self._buffers.new(act_node.output, tuple(act_node.shape))
+            gated_out = _view(array, (1, array.size))
+            return lambda rec, start: lin.gemv(rec, flat_x, whole, gated_out, gated=gated)
         out = self._new(node)
-        flat_x, flat_out = _view(x, (x.size // w.cols, w.cols)), _view(out, (x.size // w.cols, w.rows))
+        flat_out = _view(out, (x.size // w.cols, w.rows))
         if group is None:
             return lambda rec, start: lin.linear(rec, flat_x, w, flat_out, bias=b)
         whole, partners = group
@@ -189,6 +205,19 @@ class VulkanProgram:
             outs.append(_view(array, (1, array.size)))
             self._filled.add(later.output)
         return lambda rec, start: lin.gemv(rec, flat_x, whole, outs)
+
+    def _gated_by(self, node: Node, group: tuple[DeviceWeight, list[Node]] | None) -> str | None:
+        """The activation when this linear is the gate of a gate/up concatenation whose two products only a
+        gated node reads (passes.gated_linear_pairs) and gemv can apply it; else None."""
+        pair = self._gated.get(self._at)
+        if group is None or pair is None:
+            return None
+        whole, partners = group
+        up, act_node = (self.graph.nodes[i] for i in pair)
+        act = act_node.attrs.get("act", "silu")
+        if [n.output for n in partners] != [up.output] or act not in lin.GATED_ACTS or len(whole.chunks) > 1:
+            return None
+        return str(act)
 
     def _concatenated_partners(self, node: Node) -> tuple[DeviceWeight, list[Node]] | None:
         """For a one-token linear on the first part of an uploaded concatenation (q of q/k/v, gate of
@@ -236,7 +265,7 @@ class VulkanProgram:
         self._buffers.define(node.output, _view(x, tuple(node.shape)))
         return None
 
-    def op_rope(self, node: Node) -> Emitter:
+    def op_rope(self, node: Node) -> Emitter | None:
         x, positions = self._value(node, 0), self._value(node, 1)
         if len(node.shape) != 4:
             raise Unsupported(Reason.SHAPE, f"rope of {node.shape}", "rope takes [rows, tokens, heads, head_dim]")
@@ -252,6 +281,11 @@ class VulkanProgram:
             inv = positional.rope_inv_freq(int(a["dim"]), float(a["theta"]), scaling)
             found = self._rope_tables[key] = (self.runtime.upload(inv), rope_attention_factor(scaling))
         table, factor = found
+        attention = self._rope_into.get(self._at)
+        if attention is not None:  # the attention's rope_kv dispatch rotates it (passes.rope_attention_triples)
+            self._ropes[node.output] = (_view(x, (tokens, heads, head_dim)), positions, table, factor, style)
+            self._buffers.read_later([node.inputs[0].name], self._at, attention)
+            return None
         # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
         x_name = node.inputs[0].name
         in_place = self._buffers.last_reader(x_name, self._at)
@@ -270,7 +304,13 @@ class VulkanProgram:
         return emit
 
     def op_attention(self, node: Node) -> Emitter:
-        q, k, v = self._value(node, 0), self._value(node, 1), self._value(node, 2)
+        q_rope, k_rope = (self._ropes.pop(str(r.name), None) for r in node.inputs[:2])
+        fused = q_rope is not None and k_rope is not None
+        if fused:  # q and k before their ropes; the rotated q goes to a buffer of its own
+            q, k = (_view(r[0], (1, *r[0].shape)) for r in (q_rope, k_rope))
+        else:
+            q, k = self._value(node, 0), self._value(node, 1)
+        v = self._value(node, 2)
         k_name, v_name = node.inputs[4].name, node.inputs[5].name
         spec = self.graph.state.get(k_name)
         if spec is None or v_name not in self.graph.state:
@@ -303,9 +343,17 @@ class VulkanProgram:
         split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
         splits = -(-capacity // split_len)
 
+        if fused:
+            q_in, q_flat = q_flat, _view(self._buffers.scratch("rope_q", q_flat.shape), q_flat.shape)
+            _, positions, table, factor, style = q_rope
+
         def emit(rec: Recorder, start: int) -> None:
-            positional.kv_write(rec, k_new, k_cache, start)
-            positional.kv_write(rec, v_new, v_cache, start)
+            if fused:
+                positional.rope_kv(rec, q_in, k_new, v_new, q_flat, k_cache, v_cache, positions, table, start,
+                                   style=style, factor=factor)
+            else:
+                positional.kv_write(rec, k_new, k_cache, start)
+                positional.kv_write(rec, v_new, v_cache, start)
             if tokens == 1:
                 attn.attention_decode(
                     rec,
@@ -327,7 +375,9 @@ class VulkanProgram:
 
         return emit
 
-    def op_gated(self, node: Node) -> Emitter:
+    def op_gated(self, node: Node) -> Emitter | None:
+        if node.output in self._filled:  # computed by the gate/up product (op_linear)
+            return None
         act = node.attrs.get("act", "silu")
         if act not in GATED:
             raise Unsupported(Reason.OPERATION, f"gated {act}", f"the vulkan kernels have {', '.join(GATED)}")
@@ -465,9 +515,12 @@ class VulkanProgram:
             return None
         return gate_up, down
 
-    def op_last_position(self, node: Node) -> Emitter:
+    def op_last_position(self, node: Node) -> Emitter | None:
         x = self._value(node, 0)
         width = x.shape[-1]
+        if self.tokens == 1:  # the one position is the whole value: a view, no copy
+            self._buffers.define(node.output, _view(x, tuple(node.shape)))
+            return None
         out = self._new(node)
         offset = (self.tokens - 1) * width
         return lambda rec, start: copy_values(rec, x, out, width, offset)

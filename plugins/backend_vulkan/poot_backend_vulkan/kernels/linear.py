@@ -15,6 +15,7 @@ UNIT_VALUES = 32  # a packed GEMV's step: one 32-value unit (gemv_units.wgsl, ea
 # split-K: below this many row workgroups a GEMV's rows are also cut along K (not yet tuned on a GPU)
 SPLITK_GROUPS = 2048
 MAX_SPLITK = 8
+GATED_ACTS = ("silu", "gelu_tanh")  # activations gemv(gated=) applies (activations.wgsl)
 
 
 def _pipeline(batch: Batch, kernel: str, weight: DeviceWeight, bias: bool = False, one_token: bool = False):
@@ -75,6 +76,7 @@ def gemv(
     subgroups: bool | None = None,
     warp: bool | None = None,
     splits: int | None = None,
+    gated: str | None = None,
 ) -> None:
     """out[N] = W[N, K] @ x[K] (+ bias) for one token (gemv.wgsl): dense weights read as 16-byte words, GGUF
     blocks a 32-value unit per thread and step.
@@ -83,14 +85,22 @@ def gemv(
     each (a q/k/v or gate/up concatenation in one dispatch; no bias then).
     subgroups: reduce with subgroupAdd (None: when the runtime's subgroups have at most 64 lanes); with
     subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False.
-    splits: cut each row's K into this many ranges, summed by a combine pass (None: split_count)."""
+    splits: cut each row's K into this many ranges, summed by a combine pass (None: split_count).
+    gated: an activation of GATED_ACTS: W is a gate/up concatenation (gate rows, then as many up rows, in one
+    binding) and out[N / 2] = act(gate) * up, the products themselves never stored (one output, no bias)."""
     if not has_gemv(weight):
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
     outs = list(out) if isinstance(out, list) else [out]
     if not 1 <= len(outs) <= 3 or (len(outs) > 1 and bias is not None):
         raise Unsupported(Reason.SHAPE, "gemv", "one to three outputs, a bias only with one")
+    if gated is not None and (gated not in GATED_ACTS or len(outs) > 1 or bias is not None or weight.rows % 2
+                              or len(weight.chunks) > 1):
+        raise Unsupported(Reason.SHAPE, f"gemv gated {gated}",
+                          f"one output, no bias, an even row count in one binding, an activation of {GATED_ACTS}")
     check("gemv.x", x, (1, weight.cols))
     sizes = [o.size for o in outs]
+    if gated is not None:
+        sizes = [2 * sizes[0]]
     if sum(sizes) != weight.rows:
         raise Unsupported(Reason.SHAPE, "gemv.out", f"outputs of {sizes} values for {weight.rows} rows")
     if bias is not None:
@@ -115,7 +125,7 @@ def gemv(
     if not 1 <= splits <= MAX_GROUPS:
         raise Unsupported(Reason.SHAPE, "gemv", f"{splits} splits of a row")
     span = -(-words // splits)
-    split1 = sizes[0] if len(outs) > 1 else weight.rows
+    split1 = sizes[0] if len(outs) > 1 else weight.rows // 2 if gated else weight.rows
     split2 = sizes[0] + sizes[1] if len(outs) > 2 else weight.rows  # past every row: no third output
     if len(outs) == 2:  # the third binding exists in the shaders; a scratch word stands in
         outs.append(DeviceArray(batch.runtime.scratch("gemv_unused", 16), (4,)))
@@ -126,7 +136,7 @@ def gemv(
         source, variant = source.replace("//SPLITK ", ""), variant + ":splitk"
         target, extra = batch.runtime.scratch("gemv_partial", 4 * splits * weight.rows), []
     else:
-        source, variant = _flags(source, variant, bias is not None, len(outs) > 1)
+        source, variant = _flags(source, variant, bias is not None, len(outs) > 1, gated)
         target, extra = outs[0].buffer, tail
     pipeline = batch.runtime.pipeline(f"gemv:{weight.fmt.name}", source, variant)
     for chunk in weight.chunks:
@@ -135,18 +145,22 @@ def gemv(
         gx, gy, _ = grid_1d(-(-chunk.rows // rows_per_group))
         batch.dispatch(pipeline, [chunk.buffer, x.buffer, target, *extra], params, (gx, gy, splits))
     if splits > 1:
-        source, variant = _flags(shader_source("gemv_combine"), "", bias is not None, len(outs) > 1)
+        source, variant = _flags(shader_source("gemv_combine"), "", bias is not None, len(outs) > 1, gated)
         combine = batch.runtime.pipeline("gemv_combine", source, variant)
         batch.dispatch(combine, [target, outs[0].buffer, *tail], pack_params(weight.rows, splits, split1, split2),
                        grid_1d(-(-weight.rows // 64)))
 
 
-def _flags(source: str, variant: str, bias: bool, split: bool) -> tuple[str, str]:
-    """Enable a gemv shader's BIAS or SPLIT (several outputs) lines."""
+def _flags(source: str, variant: str, bias: bool, split: bool, gated: str | None = None) -> tuple[str, str]:
+    """Enable a gemv shader's BIAS, SPLIT (several outputs) or GATED (act(gate) * up, `gated` the act) lines."""
     if bias:
         source, variant = source.replace("//BIAS ", ""), variant + ":bias"
     if split:
         source, variant = source.replace("//SPLIT ", ""), variant + ":split"
+    if gated:
+        source = source.replace("//GATED ", "") + shader_source("activations")
+        source += f"\nfn gate_act(v: f32) -> f32 {{ return {gated}(v); }}\n"
+        variant += f":gated_{gated}"
     return source, variant
 
 

@@ -1,4 +1,4 @@
-"""Rotary embedding (neox rotate-half) and KV-cache writes."""
+"""Rotary embedding (neox rotate-half), KV-cache writes, and both in one dispatch before attention."""
 
 from __future__ import annotations
 
@@ -63,3 +63,44 @@ def kv_write(batch: Batch, new: DeviceArray, cache: DeviceArray, start: int) -> 
     pipeline = batch.runtime.pipeline("copy", shader_source("copy"))
     params = pack_params(new.size, 0, start * row)
     batch.dispatch(pipeline, [new.buffer, cache.buffer], params, grid_1d(-(-new.size // 64)))
+
+
+def rope_kv(
+    batch: Batch,
+    q: DeviceArray,
+    k: DeviceArray,
+    v: DeviceArray,
+    q_out: DeviceArray,
+    k_cache: DeviceArray,
+    v_cache: DeviceArray,
+    positions: DeviceArray,
+    inv_freq: DeviceArray,
+    start: int,
+    *,
+    style: str = "neox",
+    factor: float = 1.0,
+) -> None:
+    """rope(q) -> q_out, rope(k) and v -> the caches' rows start.., in one dispatch (rope_kv.wgsl): what rope on
+    q, rope on k and kv_write of k and v compute, bit for bit. q: [tokens, heads, head_dim]; k, v: [tokens,
+    kv_heads, head_dim]; caches [capacity, kv_heads, head_dim]."""
+    tokens, heads, head_dim = q.shape
+    capacity, kv_heads, _ = k_cache.shape
+    rot_dim = 2 * inv_freq.size
+    check("rope_kv.q_out", q_out, q.shape)
+    check("rope_kv.k", k, (tokens, kv_heads, head_dim))
+    check("rope_kv.v", v, (tokens, kv_heads, head_dim))
+    check("rope_kv.v_cache", v_cache, k_cache.shape)
+    check("rope_kv.positions", positions, (tokens,), "u32")
+    if rot_dim > head_dim:
+        raise Unsupported(Reason.SHAPE, "rope", f"rotary dim {rot_dim} exceeds head dim {head_dim}")
+    if style not in ("neox", "interleaved"):
+        raise Unsupported(Reason.OPERATION, f"rope style {style}", "the Vulkan rope has neox and interleaved")
+    if start < 0 or start + tokens > capacity:
+        raise CapacityError(f"writing {tokens} positions at {start} overflows a KV cache of {capacity}")
+    pipeline = batch.runtime.pipeline("rope_kv", shader_source("rope_kv"))
+    params = pack_params(tokens, heads, kv_heads, head_dim, rot_dim, int(style == "interleaved"),
+                         start * kv_heads * head_dim, float(factor))
+    work = tokens * (heads + 2 * kv_heads) * head_dim
+    buffers = [q.buffer, k.buffer, v.buffer, q_out.buffer, k_cache.buffer, v_cache.buffer, positions.buffer,
+               inv_freq.buffer]
+    batch.dispatch(pipeline, buffers, params, grid_1d(-(-work // 64)))

@@ -9,6 +9,9 @@
 // split2 on to y3), so q/k/v or gate/up come out of one dispatch in their own buffers.
 // SPLITK: the row's words are cut into p.splits ranges of p.span words, one per workgroup z; each writes its
 // partial sum to y[z * p.total + n] and gemv_combine.wgsl adds them (bias and SPLIT outputs go there then).
+// GATED (a gate/up concatenation, gate rows before up rows from p.split1 on): a workgroup's row slots pair gate
+// row r (even slot) with up row split1 + r (odd slot), and y[r] = gate_act(gate) * up is written (gate_act from
+// the including variant); the products themselves are never stored.
 // The weight binding (1) and row_sum(row, first, end) come from gemv_words.wgsl (dense rows as 16-byte words,
 // with `gemv_<fmt>.wgsl`'s PER_WORD and word_dot) or gemv_units.wgsl (GGUF blocks, one 32-value unit a step,
 // PER_WORD = 32 and the layout's dot_<fmt>.wgsl unit_dot); a `word` below is then one such unit.
@@ -33,6 +36,7 @@ struct Params {
 const ROWS: u32 = 4u;
 const LANES: u32 = 64u;
 var<workgroup> partial: array<f32, 256>;
+//GATED var<workgroup> pair: array<f32, ROWS>;
 
 @compute @workgroup_size(256)
 fn main(
@@ -44,7 +48,9 @@ fn main(
 ) {
     let lane = lid % LANES;  // (WARP: equal to the subgroup invocation id)
     let slot = lid / LANES;
-    let row = (wid.y * groups.x + wid.x) * ROWS + slot;
+    var row = (wid.y * groups.x + wid.x) * ROWS + slot;
+    //GATED let out_row = (wid.y * groups.x + wid.x) * (ROWS / 2u) + slot / 2u;
+    //GATED row = out_row + (slot % 2u) * p.split1;
     let words = p.cols / PER_WORD;
     var acc = 0.0;
     if (row < p.rows) {
@@ -71,9 +77,18 @@ fn main(
 //SUBGROUP for (var j = 0u; j < per_row; j++) {
 //SUBGROUP     total += partial[slot * per_row + j];
 //SUBGROUP }
+    //GATED if (lane == 0u) {
+    //GATED     pair[slot] = total;
+    //GATED }
+    //GATED workgroupBarrier();
     if (lane == 0u && row < p.rows) {
         var value = total;
         var n = p.row_offset + row;
+        //GATED if (slot % 2u == 1u) {
+        //GATED     return;
+        //GATED }
+        //GATED value = gate_act(total) * pair[slot + 1u];
+        //GATED n = out_row;
         //SPLITK n += wid.z * p.total;
         //BIAS value += bias[n];
         //SPLIT if (n >= p.split2) {

@@ -1,5 +1,6 @@
 // Adds the split-K partial sums of gemv.wgsl (SPLITK): y[n] = sum_s partial[s * p.total + n] (+ bias[n]), rows
 // from split1 on to y2 and from split2 on to y3 (SPLIT), as gemv.wgsl itself writes them without splits.
+// GATED: rows from split1 on are the up rows of the gate rows before them; y[n] = gate_act(gate) * up for n < split1.
 struct Params {
     total: u32,
     splits: u32,
@@ -24,6 +25,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     for (var s = 0u; s < p.splits; s++) {
         value += partial[s * p.total + n];
     }
+    //GATED if (n >= p.split1) {
+    //GATED     return;
+    //GATED }
+    //GATED var up = 0.0;
+    //GATED for (var s = 0u; s < p.splits; s++) {
+    //GATED     up += partial[s * p.total + p.split1 + n];
+    //GATED }
+    //GATED value = gate_act(value) * up;
     //BIAS value += bias[n];
     //SPLIT if (n >= p.split2) {
     //SPLIT     y3[n - p.split2] = value;
