@@ -120,7 +120,8 @@ def record_all_launches() -> list:
 def record_recurrent() -> None:
     """The hybrid families' kernels at Granite-4.0-H / Qwen3-Next-sized heads: a conv over x, B and C with its
     window, the scan (128 heads of 64, state 128, 1 group) chunked and stepped, the delta rule (16 key heads of
-    128 for 32 value heads of 128) chunked and stepped, and the gated norm in both orders."""
+    128 for 32 value heads of 128) chunked and stepped, the three one-token steps as the serving engine's paged
+    decode launches them, and the gated norm in both orders."""
     import torch
 
     from poot_kernels_triton import recurrent
@@ -137,6 +138,17 @@ def record_recurrent() -> None:
         qk, vh = torch.zeros(1, tokens, 16, 128), torch.zeros(32)
         recurrent.gated_delta(qk, qk, torch.zeros(1, tokens, 32, 128), torch.zeros(1, tokens, 32),
                               torch.zeros(1, tokens, 32), vh, vh, torch.zeros(1, 32, 128, 128), 1e-6)
+    rows = torch.zeros(2, dtype=torch.int64)  # the serving engine's decode launch: 2 rows over pools of 4 slots
+    paged = recurrent.PagedRows(rows, rows, rows)
+    xbc = torch.zeros(2, 1, 8192 + 2 * 128, dtype=bf)
+    recurrent.short_conv(xbc, torch.zeros(xbc.shape[-1], 4, dtype=bf), torch.zeros(xbc.shape[-1], dtype=bf),
+                         torch.zeros(4, xbc.shape[-1], 3), silu=True, paged=paged)
+    recurrent.ssm_scan(torch.zeros(2, 1, 128, 64), torch.zeros(2, 1, 128), heads, torch.zeros(2, 1, 1, 128),
+                       torch.zeros(2, 1, 1, 128), heads, heads, torch.zeros(4, 128, 64, 128), (0.0, float("inf")),
+                       paged=paged)
+    qk = torch.zeros(2, 1, 16, 128)
+    recurrent.gated_delta(qk, qk, torch.zeros(2, 1, 32, 128), torch.zeros(2, 1, 32), torch.zeros(2, 1, 32), vh, vh,
+                          torch.zeros(4, 32, 128, 128), 1e-6, paged=paged)
     for first in (False, True):
         x = torch.zeros(4, 4096)
         recurrent.gated_rms_norm(x, x, torch.zeros(4096), 1e-5, 128 if first else 4096, first, bf)

@@ -36,7 +36,7 @@ def views(rows: int, tokens: int, *widths: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 9])
+@pytest.mark.parametrize("tokens", [1, 2, 9, recurrent.CHUNK + 7])  # one launch; two token tiles, then the window
 @pytest.mark.parametrize("kernel,bias,act", [(4, True, "silu"), (3, False, None), (1, True, None)])
 def test_short_conv_matches_cpu(tokens: int, kernel: int, bias: bool, act: str | None) -> None:
     rows, channels = 2, 40
@@ -64,6 +64,19 @@ def test_ssm_scan_matches_cpu(tokens: int, limit: tuple[float, float]) -> None:
     """8 heads of 24 values (a tile and a part) in 2 groups, a state of 12 (under one tile)."""
     a = ssm_inputs(2, tokens, 8, 24, 2, 12)
     ref_state = a["state"].clone()
+    ref = cpu.ssm_scan(a["x"], a["dt"], a["a_log"], a["b"], a["c"], a["d"], a["dt_bias"], ref_state, 8, limit)
+    out = recurrent.ssm_scan(a["x"], a["dt"], a["a_log"], a["b"], a["c"], a["d"], a["dt_bias"], a["state"], limit)
+    assert rel_err(out, ref) <= BOUND
+    assert rel_err(a["state"], ref_state) <= BOUND
+
+
+@pytest.mark.parametrize("heads,head_dim,groups,nstate", [(8, 16, 2, 16), (6, 5, 6, 12), (4, 64, 2, 128)])
+def test_ssm_step_tiles_match_cpu(heads: int, head_dim: int, groups: int, nstate: int) -> None:
+    """The one-token step over state tiles of several heads a program (4 heads of 16 in each of 2 groups), of one
+    row a program (groups of one head of 5), and of one head of 64 x 128 (the tile's cap)."""
+    a = ssm_inputs(3, 1, heads, head_dim, groups, nstate)
+    ref_state = a["state"].clone()
+    limit = (0.01, 0.5)
     ref = cpu.ssm_scan(a["x"], a["dt"], a["a_log"], a["b"], a["c"], a["d"], a["dt_bias"], ref_state, 8, limit)
     out = recurrent.ssm_scan(a["x"], a["dt"], a["a_log"], a["b"], a["c"], a["d"], a["dt_bias"], a["state"], limit)
     assert rel_err(out, ref) <= BOUND

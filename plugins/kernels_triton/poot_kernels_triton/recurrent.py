@@ -5,8 +5,11 @@ Same arithmetic as poot_core.cpu.recurrent (float32 whatever the inputs' dtype; 
 the dtype asked). The state buffers (float32, [R, C, K - 1], [R, H, P, N], [R, Hv, Dk, Dv]) stay on the device
 and are updated in place, so a CUDA graph can replay a decode step over them. Multi-token steps run the chunked
 forms (one program per row, head and tile of the head's values walks its chunks in order, carrying the state in
-registers); one-token steps run the recurrence. Inputs may be views of a joined projection: every last axis must
-be contiguous, the other strides are passed.
+registers); one-token steps run the recurrence, the scan's with whole heads a program (several when small, up
+to STEP_TILE values of state). A convolution step of one token tile (every decode step) computes its outputs
+and moves its window in one launch; longer steps move the window in a second launch, after every tile has read
+it. Inputs may be views of a joined projection: every last axis must be contiguous, the other strides are
+passed.
 
 Paged decode (`paged`, a PagedRows): the serving engine's state is a pool of slots, and each of the R rows (one
 token each) reads and writes the slot of its sequence (state_slots[seq[r]]) in place, so a step of many
@@ -30,6 +33,9 @@ from .tuning import Tile, tuning_for_device
 # smallest tile of any axis a product reads (tl.dot needs 16).
 CHUNK = 32
 MIN_TILE = 16
+# Values of state a program of the one-token step kernels holds at most (32 KB of float32): a Mamba2 program
+# covers whole heads (several where they are small) up to this many.
+STEP_TILE = 8192
 
 
 def _tile(n: int, cap: int | None = None) -> int:
@@ -37,9 +43,12 @@ def _tile(n: int, cap: int | None = None) -> int:
     return block if cap is None else min(block, cap)
 
 
-def _warps(x: torch.Tensor) -> Tile:
+def _warps(x: torch.Tensor, elements: int = 0) -> Tile:
+    """Launch settings of a recurrent kernel whose program holds a tile of `elements` float32 values (0: a small
+    one): 8 warps from 8192 values on (at most 32 a thread), else 4; one warp under the interpreter."""
     tuning = tuning_for_device(x.device)
-    return Tile(num_warps=1 if tuning.backend == "interpreter" else 4, num_stages=1)
+    warps = 1 if tuning.backend == "interpreter" else 8 if elements >= STEP_TILE else 4
+    return Tile(num_warps=warps, num_stages=1)
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,10 @@ def _softplus(x):
 def _short_conv_kernel(
     x_ptr, w_ptr, b_ptr, win_ptr, out_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, channels, x_sr, x_st, win_sr, out_sr,
     out_st, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_C: tl.constexpr, PAGED: tl.constexpr, WINDOW: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """The outputs of a token tile and channel tile; WINDOW (the step is one token tile): then the window update
+    of the program's channels too, in the same launch."""
     row = tl.program_id(0).to(tl.int64)
     srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -110,19 +121,17 @@ def _short_conv_kernel(
         acc = acc * tl.sigmoid(acc)
     acc = tl.where(valid, acc, 0.0)
     tl.store(out_ptr + row * out_sr + t[:, None] * out_st + c[None, :], acc, mask=tm[:, None] & cm[None, :])
+    if WINDOW:
+        _conv_window(x_ptr, win_ptr, row, srow, valid, carried, c, cm, tokens, x_sr, x_st, win_sr, K, BLOCK_K)
 
 
 @triton.jit
-def _conv_window_kernel(
-    x_ptr, win_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, channels, x_sr, x_st, win_sr,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PAGED: tl.constexpr,
-):
-    """The window after the step: the last K - 1 inputs of (old window, the step's tokens)."""
-    row = tl.program_id(0).to(tl.int64)
-    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _conv_window(x_ptr, win_ptr, row, srow, valid, carried, c, cm, tokens, x_sr, x_st, win_sr,
+                 K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The window after the step for channels c: the last K - 1 inputs of (old window, the step's tokens). Every
+    read of the old window in the program comes before this barrier, every write after it."""
     j = tl.arange(0, BLOCK_K)
-    cm, jm = c < channels, j < K - 1
+    jm = j < K - 1
     src = tokens - (K - 1) + j
     both = cm[:, None] & jm[None, :]
     xv = tl.load(x_ptr + row * x_sr + src[None, :] * x_st + c[:, None], mask=both & (src >= 0)[None, :], other=0.0)
@@ -131,6 +140,18 @@ def _conv_window_kernel(
     new = xv.to(tl.float32) + wv
     tl.debug_barrier()  # every old entry is read before any is overwritten
     tl.store(win_ptr + srow * win_sr + c[:, None] * (K - 1) + j[None, :], new, mask=tl.where(valid, both, False))
+
+
+@triton.jit
+def _conv_window_kernel(
+    x_ptr, win_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, channels, x_sr, x_st, win_sr,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PAGED: tl.constexpr,
+):
+    """The window update alone, after a step of several token tiles (each tile's program read the old window)."""
+    row = tl.program_id(0).to(tl.int64)
+    srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _conv_window(x_ptr, win_ptr, row, srow, valid, carried, c, c < channels, tokens, x_sr, x_st, win_sr, K, BLOCK_K)
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window: torch.Tensor,
@@ -148,14 +169,18 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window:
     out = torch.empty(count, tokens, channels, dtype=torch.float32, device=x.device)
     block_t, block_c = min(_tile(tokens), 32), _tile(channels, 128)
     tile = _warps(x)
-    launch(_short_conv_kernel, (count, cdiv(tokens, block_t), cdiv(channels, block_c)), tile, x_ptr=x,
+    token_tiles = cdiv(tokens, block_t)
+    fused = kernel > 1 and token_tiles == 1  # decode: one launch computes the outputs and moves the window
+    block_k = next_pow2(kernel - 1)
+    launch(_short_conv_kernel, (count, token_tiles, cdiv(channels, block_c)), tile, x_ptr=x,
            w_ptr=w, b_ptr=w if b is None else b, win_ptr=window, out_ptr=out, tokens=tokens, channels=channels,
            x_sr=x.stride(0), x_st=x.stride(1), win_sr=window.stride(0), out_sr=out.stride(0), out_st=out.stride(1),
-           K=kernel, HAS_BIAS=b is not None, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, **row_args)
-    if kernel > 1:  # after the first launch read the old window
+           K=kernel, HAS_BIAS=b is not None, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, WINDOW=fused,
+           BLOCK_K=block_k, **row_args)
+    if kernel > 1 and not fused:  # after every token tile's program read the old window
         launch(_conv_window_kernel, (count, cdiv(channels, block_c)), tile, x_ptr=x, win_ptr=window, tokens=tokens,
                channels=channels, x_sr=x.stride(0), x_st=x.stride(1), win_sr=window.stride(0), K=kernel,
-               BLOCK_K=next_pow2(kernel - 1), BLOCK_C=block_c, **row_args)
+               BLOCK_K=block_k, BLOCK_C=block_c, **row_args)
     return out
 
 
@@ -171,29 +196,41 @@ def _ssm_heads(dtb_ptr, alog_ptr, d_ptr, h):
 def _ssm_step_kernel(
     x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, s_ptr, y_ptr, seq_ptr, slot_ptr, pos_ptr, tokens, heads,
     head_dim, nstate, spread, x_sr, x_st, x_sh, dt_sr, dt_st, b_sr, b_st, b_sg, c_sr, c_st, c_sg, y_sr, y_st, y_sh,
-    lo, hi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    lo, hi, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The recurrence, token by token: S = exp(dt a) S + dt x b^T, y = S c + d x."""
-    row, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    """The recurrence, token by token: S = exp(dt a) S + dt x b^T, y = S c + d x. A program holds BLOCK_R rows of
+    the state (head h, value p) in head order: whole heads, or part of one, always inside one group."""
+    row = tl.program_id(0).to(tl.int64)
     srow, valid, carried = _state_row(row, seq_ptr, slot_ptr, pos_ptr, PAGED)
-    g = h // spread
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    first = tl.program_id(1) * BLOCK_R
+    r = first + tl.arange(0, BLOCK_R)
+    h = r // head_dim
+    p = r - h * head_dim
+    g = first // (head_dim * spread)
     n = tl.arange(0, BLOCK_N)
-    pm, nm = p < head_dim, n < nstate
+    nm = n < nstate
     bias, a, d = _ssm_heads(dtb_ptr, alog_ptr, d_ptr, h)
-    s_off = ((srow * heads + h) * head_dim + p[:, None]) * nstate + n[None, :]
-    sm = pm[:, None] & nm[None, :]
+    s_off = (srow * heads * head_dim + r)[:, None] * nstate + n[None, :]
+    sm = (r < heads * head_dim)[:, None] & nm[None, :]
     S = tl.load(s_ptr + s_off, mask=tl.where(carried, sm, False), other=0.0)
     for t in range(tokens):
         dt = _softplus(tl.load(dt_ptr + row * dt_sr + t * dt_st + h).to(tl.float32) + bias)
         dt = tl.minimum(tl.maximum(dt, lo), hi)
-        x = tl.load(x_ptr + row * x_sr + t * x_st + h * x_sh + p, mask=pm, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_sr + t * x_st + h * x_sh + p).to(tl.float32)
         bv = tl.load(b_ptr + row * b_sr + t * b_st + g * b_sg + n, mask=nm, other=0.0).to(tl.float32)
         cv = tl.load(c_ptr + row * c_sr + t * c_st + g * c_sg + n, mask=nm, other=0.0).to(tl.float32)
-        S = S * tl.exp(dt * a) + (x * dt)[:, None] * bv[None, :]
+        S = S * tl.exp(dt * a)[:, None] + (x * dt)[:, None] * bv[None, :]
         y = tl.sum(S * cv[None, :], axis=1) + d * x
-        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + p, tl.where(valid, y, 0.0), mask=pm)
+        tl.store(y_ptr + row * y_sr + t * y_st + h * y_sh + p, tl.where(valid, y, 0.0))
     tl.store(s_ptr + s_off, S, mask=tl.where(valid, sm, False))
+
+
+def _step_rows(head_dim: int, spread: int, block_n: int) -> int:
+    """State rows per program of the scan's step kernel: the largest power of two that divides a group's rows
+    (head_dim * spread, so a program never spans two groups or a partial tail) and keeps the tile within
+    STEP_TILE values."""
+    rows = (head_dim * spread) & -(head_dim * spread)  # its largest power-of-two divisor
+    return max(1, min(rows, STEP_TILE // block_n))
 
 
 @triton.jit
@@ -263,12 +300,14 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Te
                 x_sr=x.stride(0), x_st=x.stride(1), x_sh=x.stride(2), dt_sr=dt.stride(0), dt_st=dt.stride(1),
                 b_sr=b.stride(0), b_st=b.stride(1), b_sg=b.stride(2), c_sr=c.stride(0), c_st=c.stride(1),
                 c_sg=c.stride(2), y_sr=y.stride(0), y_st=y.stride(1), y_sh=y.stride(2), lo=float(dt_limit[0]),
-                hi=float(dt_limit[1]), BLOCK_P=block_p, BLOCK_N=block_n)
-    grid = (rows, heads, cdiv(head_dim, block_p))
+                hi=float(dt_limit[1]), BLOCK_N=block_n)
     if chunked and paged is None:
-        launch(_ssm_chunked_kernel, grid, _warps(x), BLOCK_L=min(CHUNK, _tile(tokens)), **args)
+        launch(_ssm_chunked_kernel, (rows, heads, cdiv(head_dim, block_p)), _warps(x),
+               BLOCK_L=min(CHUNK, _tile(tokens)), BLOCK_P=block_p, **args)
     else:
-        launch(_ssm_step_kernel, grid, _warps(x), **args, **row_args)
+        block_r = _step_rows(head_dim, heads // groups, block_n)
+        launch(_ssm_step_kernel, (rows, heads * head_dim // block_r), _warps(x, block_r * block_n), BLOCK_R=block_r,
+               **args, **row_args)
     return y
 
 
@@ -402,7 +441,7 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     if chunked and paged is None:
         launch(_delta_chunked_kernel, grid, _warps(q), BLOCK_L=min(CHUNK, _tile(tokens)), **args)
     else:
-        launch(_delta_step_kernel, grid, _warps(q), **args, **row_args)
+        launch(_delta_step_kernel, grid, _warps(q, block_k * block_v), **args, **row_args)
     return y
 
 
