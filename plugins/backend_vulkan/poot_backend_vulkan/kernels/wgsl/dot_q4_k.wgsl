@@ -1,14 +1,12 @@
 // Q4_K unit_dot over a 144-byte super-block (offsets as fmt_q4_k.wgsl). Unit u is the u % 8'th 16 bytes of its
 // super-block's 128 nibble bytes, so neighbouring threads read neighbouring 16-byte pieces: piece 2c + h holds
 // values 16h..16h+15 of sub-block 2c (low nibbles) and of sub-block 2c + 1 (high nibbles).
-// Sum: d * (scale0 * q0.x0 + scale1 * q1.x1) - dmin * (min0 * sum(x0) + min1 * sum(x1)).
+// Sum: kscale.wgsl kquant_unit_sum.
 fn unit_dot(row: u32, u: u32) -> f32 {
     let base = (row * (p.cols / 256u) + u / 8u) * 144u;
     let piece = u % 8u;
     let c = piece / 2u;
-    let dm = unpack2x16float(wt[base >> 2u]);
-    let sm0 = q4k_scale_min(base + 4u, 2u * c);
-    let sm1 = q4k_scale_min(base + 4u, 2u * c + 1u);
+    let scales = kquant_scales(base, c);
     let qs = (base + 16u + piece * 16u) >> 2u;
     let x0 = (u / 8u) * 64u + c * 16u + (piece % 2u) * 4u;  // x as vec4: sub-block s starts at 8s
     var d0 = 0.0;
@@ -24,6 +22,5 @@ fn unit_dot(row: u32, u: u32) -> f32 {
         s0 += a;
         s1 += b;
     }
-    let m = dm.y * (sm0.y * (s0.x + s0.y + s0.z + s0.w) + sm1.y * (s1.x + s1.y + s1.z + s1.w));
-    return dm.x * (sm0.x * d0 + sm1.x * d1) - m;
+    return kquant_unit_sum(scales, d0, d1, s0, s1);
 }

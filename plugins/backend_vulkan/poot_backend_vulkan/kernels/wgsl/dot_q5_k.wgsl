@@ -5,10 +5,8 @@ fn unit_dot(row: u32, u: u32) -> f32 {
     let base = (row * (p.cols / 256u) + u / 8u) * 176u;
     let piece = u % 8u;
     let c = piece / 2u;
+    let scales = kquant_scales(base, c);
     let h = piece % 2u;
-    let dm = unpack2x16float(wt[base >> 2u]);
-    let sm0 = q4k_scale_min(base + 4u, 2u * c);
-    let sm1 = q4k_scale_min(base + 4u, 2u * c + 1u);
     let qs = (base + 48u + piece * 16u) >> 2u;
     let qh = (base + 16u + h * 16u) >> 2u;
     let x0 = (u / 8u) * 64u + c * 16u + h * 4u;
@@ -26,6 +24,5 @@ fn unit_dot(row: u32, u: u32) -> f32 {
         s0 += a;
         s1 += b;
     }
-    let m = dm.y * (sm0.y * (s0.x + s0.y + s0.z + s0.w) + sm1.y * (s1.x + s1.y + s1.z + s1.w));
-    return dm.x * (sm0.x * d0 + sm1.x * d1) - m;
+    return kquant_unit_sum(scales, d0, d1, s0, s1);
 }
