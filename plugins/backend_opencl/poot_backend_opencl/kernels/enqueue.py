@@ -2,10 +2,12 @@
 directly, with the work sizes packed once and no event asked for.
 
 A decode step is a few hundred launches whose arguments never change, so the host time per launch is what is
-left: pyopencl's enqueue makes and later frees an event per call and converts the sizes each time. Here each
-launch is (kernel handle, dimensions, packed global and local sizes), made once when the step is prepared; a
-step is one library call per kernel. Where the library's entry point cannot be found (or the sizes are empty)
-the launch goes through pyopencl as before.
+left: pyopencl's enqueue asks the driver for an event per call (and frees it when dropped). Here each launch is
+(kernel handle, dimensions, packed global and local sizes) as ctypes values made once when the step is
+prepared; a step is one library call per kernel, asking for no event. On pocl the two cost about the same host
+time (about 1 us a launch: pocl's enqueue is light, the ctypes call slightly dearer than pyopencl's); the gain
+is meant for drivers whose events are dear, and bench/opencl_decode.py times both on the device. Where the
+library's entry point cannot be found the launches go through pyopencl.
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ def library_enqueue() -> Any | None:
             fn = ctypes.CDLL(name).clEnqueueNDRangeKernel
         except (OSError, AttributeError):
             continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
+        fn.restype = ctypes.c_int  # no argtypes: every argument is passed as an already made ctypes value
         return fn
     return None
 
@@ -50,22 +50,23 @@ class Enqueuer:
         self.direct = fn is not None
         self._fn = fn
         live = [launch for launch in launches if all(launch.global_size)]  # an empty range launches nothing
-        self._calls = [(launch.kernel.int_ptr, len(launch.global_size), sizes(launch.global_size),
-                        sizes(launch.local_size)) for launch in live]
+        self._calls = [(ctypes.c_void_p(launch.kernel.int_ptr), ctypes.c_uint(len(launch.global_size)),
+                        sizes(launch.global_size), sizes(launch.local_size)) for launch in live]
         self._live = live
-        self._queue_ptr = queue.int_ptr
+        self._queue_ptr = ctypes.c_void_p(queue.int_ptr)
+        self._none = ctypes.c_uint(0)
 
     def __call__(self) -> None:
         if not self.direct:
             for launch in self._live:
                 launch.enqueue(self.queue)
             return
-        fn, queue = self._fn, self._queue_ptr
+        fn, queue, none = self._fn, self._queue_ptr, self._none
         for kernel, dims, global_size, local_size in self._calls:
-            status = fn(queue, kernel, dims, None, global_size, local_size, 0, None, None)
+            status = fn(queue, kernel, dims, None, global_size, local_size, none, None, None)
             if status != SUCCESS:
-                self._fail(status, kernel)
+                self._fail(status, kernel.value)
 
-    def _fail(self, status: int, kernel: int) -> None:
+    def _fail(self, status: int, kernel: int | None) -> None:
         name = next(launch.kernel.function_name for launch in self._live if launch.kernel.int_ptr == kernel)
         raise Unsupported(Reason.BACKEND, f"opencl kernel {name}", f"the device refused its launch (status {status})")
