@@ -84,6 +84,8 @@ class PoolCounters:
     idle_cached: int
     preemptions: int
     cache: CacheCounters
+    state_slots: int = 0  # recurrent state slots in all (hybrid families; 0 without recurrent state)
+    state_held: int = 0  # of them held by running sequences
 
 
 @dataclass(eq=False)
@@ -265,8 +267,10 @@ class ServingDriver:
 
     def counters(self) -> PoolCounters:
         cache = self.pool.cache
+        slots = self.slots
         return PoolCounters(self.pool.blocks, self.pool.held, cache.idle_blocks if cache else 0,
-                            self.scheduler.preemptions, cache.counters if cache else CacheCounters())
+                            self.scheduler.preemptions, cache.counters if cache else CacheCounters(),
+                            slots.slots if slots else 0, slots.held if slots else 0)
 
     # --- stepping -------------------------------------------------------------------------------------
     def step(self) -> list[Event]:

@@ -95,6 +95,8 @@ class EngineStats:
     cache_queries: int = 0
     cache_hits: int = 0
     steps: int = 0
+    state_slots: int = 0
+    state_held: int = 0
 
 
 class EngineBridge:
@@ -218,7 +220,7 @@ class EngineBridge:
         counters = self.engine.counters()
         return EngineStats(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting), counters.blocks,
                            counters.held, counters.preemptions, counters.cache.queries, counters.cache.hits,
-                           self.engine.steps)
+                           self.engine.steps, counters.state_slots, counters.state_held)
 
     def _fail_all(self) -> None:
         """At the end of the thread: whatever is still in flight or queued gets an error, never silence."""

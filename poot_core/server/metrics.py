@@ -1,9 +1,10 @@
 """Prometheus metrics under vLLM's names with a `poot:` prefix (`vllm:num_requests_running` is
 `poot:num_requests_running`), through prometheus_client.
 
-Engine state (running and waiting requests, KV-pool use, prefix-cache queries and hits, preemptions) is read
-at scrape time from the engine thread's last snapshot; per-request figures (tokens, latencies, finish
-reasons) are recorded as each request's items reach the event loop, labelled by model and tenant.
+Engine state (running and waiting requests, KV-pool use, recurrent state slots in use, prefix-cache queries and
+hits, preemptions) is read at scrape time from the engine thread's last snapshot; per-request figures (tokens,
+latencies, finish reasons) are recorded as each request's items reach the event loop, labelled by model and
+tenant.
 Prefix-cache queries and hits count full KV blocks looked up and found.
 """
 
@@ -50,6 +51,9 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV-pool blocks held by sequences (1 = full).",
                     s.held / s.blocks if s.blocks else 0.0)
         yield gauge("kv_cache_blocks", "KV-pool blocks in all.", s.blocks)
+        yield gauge("recurrent_state_slots", "Recurrent state slots in all (hybrid models; 0 without).", s.state_slots)
+        yield gauge("recurrent_state_usage_perc", "Fraction of recurrent state slots held by sequences (1 = full).",
+                    s.state_held / s.state_slots if s.state_slots else 0.0)
         yield counter("prefix_cache_queries", "Full KV blocks looked up in the prefix cache.", s.cache_queries)
         yield counter("prefix_cache_hits", "Full KV blocks found in the prefix cache.", s.cache_hits)
         yield counter("num_preemptions", "Sequences preempted (recomputed later) for want of KV blocks.",

@@ -132,7 +132,9 @@ def test_slot_count_limits_running_sequences(hybrid_checkpoint):
             if isinstance(event, FinishedEvent):
                 done[event.request_id] = event.generation.tokens
         most = max(most, len(engine.scheduler.running))
-        assert engine.slots.held == len(engine.scheduler.running) <= 2
+        counters = engine.counters()
+        assert engine.slots.held == counters.state_held == len(engine.scheduler.running) <= 2
+        assert counters.state_slots == 2
     assert most == 2
     assert [done[i] for i in ids] == [tokens for tokens, _ in runs]
     assert engine.slots.available == 2

@@ -259,6 +259,18 @@ def test_metrics_count_what_was_served(client, server, expected):
     assert after[2] - before[2] == 1 and after[3] - before[3] == pieces - 1
     assert server.metric("poot:num_requests_running") == 0
     assert server.metric("poot:kv_cache_usage_perc") == 0.0
+    assert server.metric("poot:recurrent_state_slots") == 0.0  # no recurrent layers
+    assert server.metric("poot:recurrent_state_usage_perc") == 0.0
+
+
+def test_metrics_show_recurrent_state_slots_in_use() -> None:
+    """The slot gauges of a hybrid model's engine: slots in all and the fraction held."""
+    from poot_core.server.bridge import EngineStats
+    from poot_core.server.metrics import Metrics
+
+    text = Metrics("m", lambda: EngineStats(running=3, state_slots=4, state_held=3)).render().decode()
+    assert 'poot:recurrent_state_slots{model_name="m"} 4.0' in text
+    assert 'poot:recurrent_state_usage_perc{model_name="m"} 0.75' in text
 
 
 def test_response_format_json_schema_gives_a_reply_that_validates(client):
