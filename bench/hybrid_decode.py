@@ -12,8 +12,8 @@ ms per step and per token, the growth from the first context to the last, and th
 recurrent state read and written) over the measured copy bandwidth. A batch whose KV does not fit the engine's
 pool (80% of free memory on the GPU) is reported as not fitting. Target (issue 21): the Mamba2 layers' time at
 16k <= 1.3x their time at 512; the hybrid's per-token time growing far less than the attention model's.
---contiguous also times the batch-1 one-token program of the contiguous Driver (the earlier figure). Writes
-bench/results/hybrid_decode.json.
+--contiguous also times the batch-1 one-token program of the contiguous Driver (the earlier figure); --profile
+prints the device time by kernel of each variant's largest batch. Writes bench/results/hybrid_decode.json.
 
     python bench/hybrid_decode.py                                   # cuda, Granite-4.0-H-Micro-like shape
     python bench/hybrid_decode.py --backend cpu --shape tiny --contexts 64,512 --batch 1,4 --reps 3   # smoke
@@ -129,8 +129,10 @@ def weight_bytes(store: RandomStore, batch: int) -> int:
 
 
 def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: Any, variant: str, config: Any,
-               batches: list[int], contexts: list[int], capacity: int, reps: int, bandwidth: float) -> dict[str, Any]:
-    """ms per decode step of the serving engine at each batch and context, with each step's floor."""
+               batches: list[int], contexts: list[int], capacity: int, reps: int, bandwidth: float,
+               profile: bool = False) -> dict[str, Any]:
+    """ms per decode step of the serving engine at each batch and context, with each step's floor; profile: the
+    device time by kernel of the largest batch's step at its longest context that fits (GPU only)."""
     from poot_core import Driver, DriverOptions, Layout, ModelHandle
 
     family, model_config, store = model_parts(variant, config, device, dtype)
@@ -174,6 +176,14 @@ def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: A
             f"{c}: {r['ms_per_step']:.3f} ms/step {r['ms_per_token']:.4f} ms/tok (floor {r['floor_ms']:.3f}, "
             f"{r['of_floor']:.0%})" if "ms_per_step" in r else f"{c}: does not fit" for c, r in rows.items())
             + (f"; {entry['growth_of']}: {entry['growth']:.2f}x" if "growth" in entry else ""))
+        if profile and device.type == "cuda" and batch == most and timed:
+            import gpu_decode
+
+            prog, inputs = common.paged_step(engine, batch, 1, timed[-1])
+            kernels = gpu_decode.kernel_profile(prog, state, inputs)
+            entry["profile_us"] = {"context": timed[-1], **{k: round(v, 1) for k, v in list(kernels.items())[:14]}}
+            common.log(f"  B={batch} at {timed[-1]} by kernel (us): "
+                       + ", ".join(f"{k[:48]} {v:.0f}" for k, v in list(kernels.items())[:14]))
     return out
 
 
@@ -210,6 +220,7 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--contiguous", action="store_true", help="also the contiguous Driver's batch-1 program")
+    ap.add_argument("--profile", action="store_true", help="device time by kernel of the largest batch (GPU)")
     ap.add_argument("--out", default="hybrid_decode", help="results name (bench/results/<name>.json)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -233,7 +244,7 @@ def main() -> int:
     for variant in args.variants.split(","):
         config = hf_config(shape, variant, capacity)
         entry = variants[variant] = paged_rows(executor, device, dtype, timer, variant, config, batches, contexts,
-                                               capacity, args.reps, bandwidth)
+                                               capacity, args.reps, bandwidth, args.profile)
         free_device(device)
         if args.contiguous:
             ms = contiguous_ms(executor, device, dtype, timer, config, contexts, capacity, args.reps)
