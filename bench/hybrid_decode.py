@@ -168,6 +168,8 @@ def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: A
                                   "of_floor": floor / ms, "bytes_read": read}
         timed = [c for c in contexts if "ms_per_step" in rows[str(c)]]
         entry: dict[str, Any] = {"contexts": rows}
+        if timed:  # whether the step was replayed as a captured graph (the CPU has none)
+            entry["graph"] = bool(getattr(engine.program(engine._shape(batch, batch, decode=True)), "use_graph", False))
         if len(timed) > 1:
             entry["growth"] = rows[str(timed[-1])]["ms_per_step"] / rows[str(timed[0])]["ms_per_step"]
             entry["growth_of"] = f"{timed[-1]}/{timed[0]}"
@@ -175,7 +177,8 @@ def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: A
         common.log(f"{variant:>12} B={batch:<3}: " + "; ".join(
             f"{c}: {r['ms_per_step']:.3f} ms/step {r['ms_per_token']:.4f} ms/tok (floor {r['floor_ms']:.3f}, "
             f"{r['of_floor']:.0%})" if "ms_per_step" in r else f"{c}: does not fit" for c, r in rows.items())
-            + (f"; {entry['growth_of']}: {entry['growth']:.2f}x" if "growth" in entry else ""))
+            + (f"; {entry['growth_of']}: {entry['growth']:.2f}x" if "growth" in entry else "")
+            + ("; CUDA graph" if entry.get("graph") else ""))
         if profile and device.type == "cuda" and batch == most and timed:
             import gpu_decode
 
