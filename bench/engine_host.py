@@ -9,9 +9,10 @@ critical path (on the H200, about 2.8 s of a 10.9 s run of 256 x (1024 + 128) we
 
 --device-ms D simulates a device: a step's run() returns at once and reading its output blocks until D ms of
 device time have passed (steps queue behind each other, as on one stream; a timer thread marks each done). The
-workload then runs twice, in the old order (engine.pipeline = False: read, detokenize, schedule, launch) and
-pipelined (the next step launched before the read one is detokenized), printing both wall times beside host +
-device and max(host, device).
+workload then runs three times: in the old order (engine.pipeline = False: read, detokenize, schedule, launch),
+pipelined (engine.ahead.on = False: read, schedule, launch, detokenize) and ahead (the default: the next step
+launched before the ids of the one in flight are read, its tokens fed on the device; driver/ahead.py), printing
+the wall times beside host + device and max(host, device).
 
 Prints the whole run's host seconds, the mean host time of a decode step and of a step with prefill chunks,
 and beside them the device time of the same steps measured on the H200 (the floor this host time should stay
@@ -129,6 +130,16 @@ class IdleExecutor:
         value.ready.wait()
         return self.rng.integers(100, self.vocab, value.slots)
 
+    def greedy_ids(self, value: _Idle) -> _Idle:  # steps ahead (poot_core.executor.FedSteps)
+        return value
+
+    def read_ids(self, value: _Idle) -> np.ndarray:
+        return self.greedy_rows(value)
+
+    def run_fed(self, program: _IdleProgram, state: Any, inputs: dict[str, np.ndarray], ids: _Idle,
+                at: np.ndarray, rows: np.ndarray) -> list[Any]:
+        return program.run(state, inputs)
+
 
 def _timed(engine: Any, requests: list[GenerateRequest], profile: bool) -> tuple[float, dict[str, list[float]]]:
     """Run the requests to their end; the wall seconds and each step's seconds, by kind."""
@@ -140,7 +151,7 @@ def _timed(engine: Any, requests: list[GenerateRequest], profile: bool) -> tuple
         profiler.enable()
     finished = 0
     while finished < len(submitted):
-        # pending 0: in flight (pipelined), its token not read yet
+        # pending 0: in flight (pipelined or ahead), its token not read yet
         decode = not engine.scheduler.waiting and all(s.pending <= 1 for s in engine.scheduler.running)
         s0 = time.perf_counter()
         events = engine.step()
@@ -184,17 +195,16 @@ def main() -> None:
     else:
         executor.device.seconds = args.device_ms / 1000
         walls, steps = {}, {}
-        for pipeline in (False, True):
-            engine.pipeline = pipeline
+        for order, pipeline, ahead in (("old order", False, False), ("pipelined", True, False), ("ahead", True, True)):
+            engine.pipeline, engine.ahead.on = pipeline, ahead
             executor.device.busy, first = 0.0, engine.steps
-            walls[pipeline], _ = _timed(engine, requests(), False)
-            device, steps[pipeline] = executor.device.busy, engine.steps - first
-        engine.pipeline, executor.device.seconds = True, 0.0
+            walls[order], _ = _timed(engine, requests(), False)
+            device, steps[order] = executor.device.busy, engine.steps - first
+        executor.device.seconds = 0.0
         seconds, step_times = _timed(engine, requests(), args.profile)  # host time alone
         print(f"simulated device {args.device_ms} ms a step, {device:.2f} s in all; host alone {seconds:.2f} s; "
               f"host + device {seconds + device:.2f} s, max {max(seconds, device):.2f} s")
-        print(f"  wall, old order {walls[False]:.2f} s ({steps[False]} steps); pipelined {walls[True]:.2f} s "
-              f"({steps[True]} steps)")
+        print("  wall: " + "; ".join(f"{order} {walls[order]:.2f} s ({steps[order]} steps)" for order in walls))
     decode_ms = 1000 * float(np.mean(step_times["decode"])) if step_times["decode"] else 0.0
     prefill_ms = 1000 * float(np.mean(step_times["prefill"])) if step_times["prefill"] else 0.0
     print(f"engine host time, {args.requests} x ({args.prompt} + {args.new}), step budget {args.step_tokens}: "
@@ -204,7 +214,8 @@ def main() -> None:
     print(f"  prefill step  {prefill_ms:7.2f} ms host   (H200 device time of a 2 x 1024 chunk step: "
           f"{H200_PREFILL_2048_MS} ms)")
     extra = {} if args.device_ms <= 0 else {"device_ms": args.device_ms, "device_seconds": device,
-                                            "wall_old_order": walls[False], "wall_pipelined": walls[True]}
+                                            "wall_old_order": walls["old order"],
+                                            "wall_pipelined": walls["pipelined"], "wall_ahead": walls["ahead"]}
     common.write("engine_host", {"requests": args.requests, "prompt": args.prompt, "new": args.new,
                                  "step_tokens": args.step_tokens, "seconds": seconds,
                                  "decode_steps": len(step_times["decode"]), "decode_ms": decode_ms,

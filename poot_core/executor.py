@@ -137,6 +137,32 @@ def state_nbytes(executor: Executor, graph: Graph, weights: Weights) -> int:
     return sum(4 * int(np.prod(spec.shape)) for spec in graph.state.values())
 
 
+@runtime_checkable
+class FedSteps(Protocol):
+    """Optional: a paged serving step fed by the argmax of the step before it on the device, so that it can be
+    launched before that step's ids are read (the serving engine's steps ahead, driver/ahead.py).
+
+    `greedy_ids(output)`: the argmax of each sequence slot of a logits output [1, slots, vocab] (lowest id on
+    ties), left on the device and not waited for. `read_ids(ids)`: those ids on the host, int64 [slots] (waits
+    for the step). `run_fed(program, state, inputs, ids, at, rows)`: `program.run(state, inputs)` with
+    tokens[0, at[i]] set to ids[rows[i]] on the device first (at, rows: int64 [n]); the token values the inputs
+    hold there are placeholders.
+
+    Default for a backend without it: the engine reads each step's ids before it schedules the next one."""
+
+    def greedy_ids(self, output: Output) -> Any: ...
+
+    def read_ids(self, ids: Any) -> np.ndarray: ...
+
+    def run_fed(self, program: Program, state: State, inputs: dict[str, np.ndarray], ids: Any, at: np.ndarray,
+                rows: np.ndarray) -> list[Output]: ...
+
+
+def fed_steps(executor: Executor) -> FedSteps | None:
+    """The executor when it feeds steps from the device (FedSteps), else None."""
+    return executor if isinstance(executor, FedSteps) else None
+
+
 @dataclass
 class BackendSpec:
     name: str

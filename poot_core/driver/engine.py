@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from poot_core.driver import ahead
 from poot_core.driver.constraints import Matcher
 from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
@@ -116,6 +117,7 @@ class _Launched:
     batch: list[tuple[Sequence, int]]
     out: Output
     rows: RowPlan | None
+    picks: list[tuple[int, _Request]]  # slots whose token is picked from this step, with their requests
 
 
 @dataclass
@@ -180,6 +182,8 @@ class ServingDriver:
         self.pipeline = True  # False: every step in the old order (read, detokenize, then schedule the next)
         self._inflight: _Launched | None = None
         self._held: list[_Held] = []
+        self.ahead = ahead.StepsAhead(self)  # the next step launched before the ids are read (ahead.py)
+        self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
@@ -315,6 +319,8 @@ class ServingDriver:
             if done is None:
                 return events
         self._inflight = None
+        if self.ahead.ready(done):
+            return events + self._step_ahead(done)
         if done.rows is not None:  # none while pipelining (prompt scoring keeps the old order); kept for safety
             events.extend(self.prompt_scores.score(done.rows, done.out))
         events.extend(self._sample(done.batch, done.out, self._hold))  # only failures: tokens are held
@@ -323,6 +329,21 @@ class ServingDriver:
         launched = self._launch(batch) if batch else None
         if isinstance(launched, _Launched):
             self._inflight = launched
+        for h in held:
+            events.extend(self._emit(h))
+        if isinstance(launched, PootError):  # after the text, so that each request's generation is whole
+            events.extend(self._failed(batch, launched))
+        return events
+
+    def _step_ahead(self, done: _Launched) -> list[Event]:
+        """Launch the next step fed from `done`'s ids on the device, then read and settle them, then make their
+        text and events while the next step runs (ahead.py)."""
+        ids, batch, launched = self.ahead.launch(done)
+        if isinstance(launched, _Launched):
+            self._inflight = launched
+        self.ahead.settle(done, ids)
+        held, self._held = self._held, []
+        events: list[Event] = []
         for h in held:
             events.extend(self._emit(h))
         if isinstance(launched, PootError):  # after the text, so that each request's generation is whole
@@ -345,9 +366,10 @@ class ServingDriver:
             raise RuntimeError("the scheduler admitted nothing with the pool free (a bug)")
         return batch
 
-    def _launch(self, batch: list[tuple[Sequence, int]]) -> _Launched | PootError:
+    def _launch(self, batch: list[tuple[Sequence, int]], fed: tuple | None = None) -> _Launched | PootError:
         """Build the step's inputs and run it; on the Triton executor this returns before the device is done
-        (nothing here reads device memory), the wait is in reading the output."""
+        (nothing here reads device memory), the wait is in reading the output. fed: token slots whose ids the
+        executor takes from the step in flight (ahead.py)."""
         n = sum(count for _, count in batch)
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
@@ -366,12 +388,14 @@ class ServingDriver:
             if matcher is not None and seq.computed + count == len(seq.tokens):
                 matcher.prefetch()
         try:
-            out = self.program(shape).run(self._state, inputs)[0]
+            program = self.program(shape)
+            out = (program.run(self._state, inputs) if fed is None
+                   else self.ahead.run(program, self._state, inputs, fed))[0]
         except PootError as exc:
             return exc
         self.steps += 1
         self.scheduler.advance(batch)
-        return _Launched(batch, out, rows)
+        return _Launched(batch, out, rows, ahead.picks(self._requests, batch))
 
     def _failed(self, batch: list[tuple[Sequence, int]], exc: PootError) -> list[Event]:
         """A step that failed to run: its sequences fail, each with the error in its own event."""
@@ -403,13 +427,13 @@ class ServingDriver:
         positions[0, :n] = np.arange(n) + np.repeat(starts - (ends - counts), counts)
         seq_index = np.full(shape.tokens, -1, dtype=np.int64)
         seq_index[:n] = np.repeat(np.arange(slots), counts)
-        widths = np.fromiter((len(seq.blocks) for seq, _ in batch), dtype=np.int64, count=slots)
+        arrays = [self._table(seq) for seq, _ in batch]
+        widths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=slots)
         held = int(widths.sum())
         tables = np.zeros((paging.seqs, paging.max_blocks), dtype=np.int64)
         rows = np.repeat(np.arange(slots), widths)
         columns = np.arange(held) - np.repeat(np.cumsum(widths) - widths, widths)
-        tables[rows, columns] = np.fromiter(itertools.chain.from_iterable(seq.blocks for seq, _ in batch),
-                                            dtype=np.int64, count=held)
+        tables[rows, columns] = np.concatenate(arrays)
         logit_index = np.zeros(paging.seqs, dtype=np.int64)
         logit_index[:slots] = ends - 1
         inputs = {"tokens": tokens, "positions": positions, "seq_index": seq_index, "block_tables": tables,
@@ -417,6 +441,23 @@ class ServingDriver:
         if self.slots is not None:
             inputs["state_slots"] = slot_index(batch, paging.seqs)
         return inputs
+
+    def _table(self, seq: Sequence) -> np.ndarray:
+        """The sequence's blocks as an array, kept between steps: a list of blocks is only ever appended to
+        (the scheduler gives a sequence a new list when it frees or cuts back its blocks), so only the blocks
+        added since the last step are converted."""
+        blocks, cached = seq.blocks, self._tables.get(seq.id)
+        if cached is not None and cached[0] is blocks and len(cached[1]) <= len(blocks):
+            array = cached[1]
+            if len(array) == len(blocks):
+                return array
+            array = np.concatenate((array, np.array(blocks[len(array) :], dtype=np.int64)))
+        else:
+            array = np.array(blocks, dtype=np.int64)
+            if len(self._tables) > 2 * len(self._requests) + 64:  # forget finished sequences now and then
+                self._tables = {i: t for i, t in self._tables.items() if i in self._requests}
+        self._tables[seq.id] = (blocks, array)
+        return array
 
     def _on_device(self, req: _Request) -> bool:
         """Whether the row's token can be the executor's argmax (the logits then never cross to the host)."""
@@ -463,7 +504,10 @@ class ServingDriver:
         if not req.generated:
             req.first_token = time.perf_counter()
         req.generated.append(token)
-        req.seq.tokens.append(token)
+        if ahead.fill(req.seq, token):  # a step already launched ran it
+            self.scheduler.known(req.seq)
+        else:
+            req.seq.tokens.append(token)
         end = "eos" if token in req.stop_ids else "length" if len(req.generated) >= req.limit else None
         if end is not None:
             self.scheduler.remove(req.seq)

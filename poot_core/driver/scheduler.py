@@ -41,6 +41,9 @@ class Sequence:
     # are not in `tokens` until the verify step keeps them)
     draft: list[int] = field(default_factory=list)
     slot: int = -1  # its recurrent state slot while it runs (StatePool), else -1
+    # steps ahead (ahead.py): the index in `tokens` of a token the step in flight computes on the device and the
+    # next step already runs (its id is not read yet; tokens holds 0 there), else -1
+    unknown: int = -1
 
     @property
     def pending(self) -> int:
@@ -106,9 +109,16 @@ class Scheduler:
         """The next step: (sequence, tokens it runs) in step order, within the budgets."""
         chosen: dict[Sequence, int] = {}
         budget = self.limits.step_tokens
+        size, running = self.pool.block_size, self._running
         for seq in list(self.running):  # decode first
             if budget == 0:
                 break
+            if not seq.draft:  # one token, in room its last block has, or in a block reserved for it
+                if seq in running and len(seq.tokens) - seq.computed == 1 and (
+                        len(seq.blocks) * size > seq.computed or self._reserve(seq, seq.computed + 1, chosen)):
+                    chosen[seq] = 1
+                    budget -= 1
+                continue
             n = min(1 + len(seq.draft), budget)  # with its draft, if any: as much of it as the budget holds
             if n > 1 and self.pool.blocks_for(seq.computed + n) - len(seq.blocks) > self.pool.available:
                 n = 1  # draft tokens never preempt anyone: they run only in blocks the pool has to spare
@@ -121,7 +131,7 @@ class Scheduler:
             budget = self.limits.step_tokens - used
             if budget == 0:
                 break
-            if seq in self._running and seq not in chosen and seq.pending > 1:
+            if seq in running and seq not in chosen and len(seq.tokens) - seq.computed > 1:
                 n = min(seq.pending, self.limits.prefill_chunk, budget)
                 preempted = self.preemptions
                 if self._reserve(seq, seq.computed + n, chosen):
@@ -182,6 +192,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the head of the queue with its first chunk when the pool has room (never preempting for it):
         the tokens it runs now, or 0."""
+        if seq.unknown >= 0:  # preempted while a token of it was in flight: it waits until the id is read
+            return 0
         hits = self._cached_prefix(seq, count=False)
         computed = len(hits) * self.pool.block_size
         n = min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget)
@@ -229,17 +241,26 @@ class Scheduler:
         """After a verify step that kept `kept` of the sequence's run (its last token and the drafts kept): those
         are computed; blocks reserved only for rejected drafts go back (their positions are written over later)."""
         self.advance([(seq, kept)])
-        while len(seq.blocks) > self.pool.blocks_for(seq.computed + 1):
-            self.pool.release(seq.blocks.pop())
+        keep = self.pool.blocks_for(seq.computed + 1)
+        for block in reversed(seq.blocks[keep:]):
+            self.pool.release(block)
+        seq.blocks = seq.blocks[:keep]  # a new list: a list of blocks is only ever appended to (the engine's tables)
+
+    def known(self, seq: Sequence) -> None:
+        """The sequence's placeholder took its id (ahead.py): blocks it completed are made findable."""
+        if self.cache is not None and len(seq.keys) < seq.computed // self.pool.block_size:
+            self.advance([(seq, 0)])
 
     def advance(self, ran: Iterable[tuple[Sequence, int]]) -> None:
-        """After the step: the tokens ran are computed; blocks that became full are made findable."""
+        """After the step: the tokens ran are computed; blocks that became full of known tokens are made
+        findable."""
         cache, size = self.cache, self.pool.block_size
         for seq, n in ran:
             seq.computed += n
             if cache is None:
                 continue
-            while len(seq.keys) < seq.computed // size:
+            full = (seq.computed if seq.unknown < 0 else min(seq.computed, seq.unknown)) // size
+            while len(seq.keys) < full:
                 i = len(seq.keys)
                 key = cache.key(seq.keys[-1] if seq.keys else None, seq.tokens[i * size : (i + 1) * size], seq.salt)
                 seq.keys.append(key)

@@ -181,6 +181,20 @@ class TritonExecutor:
         """The bytes allocate_state(graph) takes for these weights: state is kept in the activation type."""
         return self.state_bytes(graph, weights.act_dtype)
 
+    # --- steps fed from the device (poot_core.executor.FedSteps: the serving engine's steps ahead) ----------
+    def greedy_ids(self, value: torch.Tensor) -> torch.Tensor:
+        """The argmax of each sequence slot of a paged step's logits [1, slots, vocab], left on the GPU."""
+        return self._argmax(value.reshape(-1, value.shape[-1]))
+
+    def read_ids(self, ids: torch.Tensor) -> np.ndarray:
+        return ids.cpu().numpy()
+
+    def run_fed(self, program: TritonProgram, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray],
+                ids: torch.Tensor, at: np.ndarray, rows: np.ndarray) -> list[Any]:
+        """The step with tokens[0, at[i]] = ids[rows[i]] written on the GPU before it runs (captured steps
+        included: the ids go into the replayed graph's input buffer after the host's inputs)."""
+        return program.run(state, inputs, feed=(ids, at, rows))
+
     # --- helpers ---------------------------------------------------------------------------------------
     @staticmethod
     def state_bytes(graph: Graph, dtype: torch.dtype) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from poot_core.graph import Node, sequence_runs
 
+from . import host
 from .attention import prefill_attention
 from .launch import cdiv
 from .paged import gather_blocks, paged_decode_attention, write_paged_kv
@@ -101,9 +102,9 @@ def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, wind
         start, end = int(positions[t0]), int(positions[t1 - 1]) + 1
         first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
         lo = first // block_size
-        blocks = torch.as_tensor(tables[slot, lo : cdiv(end, block_size)], device=device)
+        blocks = host.to_device(tables[slot, lo : cdiv(end, block_size)], device)  # not waiting (host.py)
         chunks.append((t0, t1, blocks, start - lo * block_size, end - lo * block_size))
-    return (torch.as_tensor(decode, device=device) if decode else None), chunks
+    return (host.to_device(np.array(decode), device) if decode else None), chunks
 
 
 __all__ = ["bind_attention", "few_tokens_attention"]

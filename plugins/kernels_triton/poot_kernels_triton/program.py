@@ -24,7 +24,7 @@ import poot_kernels_triton as ktr
 from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
-from . import moe, paged_recurrent, paged_step, recurrent
+from . import host, moe, paged_recurrent, paged_step, recurrent
 from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
@@ -57,6 +57,7 @@ class Step:
 
 
 StepFn = Callable[[Step], None]
+Feed = tuple[torch.Tensor, np.ndarray, np.ndarray]  # ids on the device, token slots, the ids' rows (run_fed)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -626,29 +627,40 @@ class TritonProgram:
         missing = [n for n in self.input_names if n not in inputs]
         if missing:
             raise Unsupported(Reason.SHAPE, f"inputs {missing}", "the step needs them")
-        return {
-            n: torch.as_tensor(np.ascontiguousarray(inputs[n], dtype=np.int64)).to(self.device)
-            for n in self.input_names
-        }
+        # through pinned memory, not waiting for the device (host.py): the step before may still run
+        return {n: host.to_device(inputs[n], self.device) for n in self.input_names}
 
-    def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> list[Any]:
+    def _feed(self, tokens: torch.Tensor, feed: Feed) -> None:
+        """tokens (flat, on the device)[at[i]] = ids[rows[i]]: ids a step before computed on the device."""
+        ids, at, rows = feed
+        tokens[host.to_device(at, self.device)] = ids[host.to_device(rows, self.device)].to(tokens.dtype)
+
+    def _fed_inputs(self, inputs: dict[str, np.ndarray], feed: Feed | None) -> dict[str, Any]:
+        env: dict[str, Any] = dict(self._device_inputs(inputs))
+        if feed is not None:
+            env["tokens"] = env["tokens"].clone()  # on the CPU a view of the caller's array
+            self._feed(env["tokens"].view(-1), feed)
+        return env
+
+    def run(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray], feed: Feed | None = None) -> list[Any]:
+        """feed (ids, at, rows): tokens[0, at[i]] = ids[rows[i]] on the device before the step runs (the
+        executor's run_fed)."""
         check_positions(self.graph, inputs)  # the KV write kernels index the cache by position, unchecked
         tuned = use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext()
         with torch.inference_mode(), tuned:
             if not self.use_graph:
-                env: dict[str, Any] = dict(self._device_inputs(inputs))
-                return self._eager(state, env, inputs)
+                return self._eager(state, self._fed_inputs(inputs, feed), inputs)
             if self._cuda_graph is None or self._graph_state is not state:
                 if not self._ran_once:  # a shape run once (a short prompt's prefill) is not worth a capture
                     self._ran_once = True
-                    return self._eager(state, dict(self._device_inputs(inputs)), inputs)
-                self._capture(state, inputs)
-            self._load_inputs(inputs)
+                    return self._eager(state, self._fed_inputs(inputs, feed), inputs)
+                self._capture(state, inputs, feed)
+            self._load_inputs(inputs, feed)
             self._cuda_graph.replay()
             # a copy, so an output survives the next replay (a few microseconds for one row of logits)
             return [o.clone() for o in self._outputs]
 
-    def _load_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+    def _load_inputs(self, inputs: dict[str, np.ndarray], feed: Feed | None = None) -> None:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer may still be in flight from the last step
         for name, start, end in self._spans:
@@ -657,13 +669,16 @@ class TritonProgram:
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
+        if feed is not None:  # after the copy, in stream order
+            start, end = next((a, b) for name, a, b in self._spans if name == "tokens")
+            self._feed(self._static_in[start:end], feed)
 
-    def _capture(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray]) -> None:
+    def _capture(self, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray], feed: Feed | None) -> None:
         spans = self._spans
         total = spans[-1][2]
         self._static_in = torch.zeros(total, dtype=torch.int64, device=self.device)
         self._host_in = torch.zeros(total, dtype=torch.int64).pin_memory()
-        self._load_inputs(inputs)
+        self._load_inputs(inputs, feed)
         env = {n: self._static_in[a:b].reshape(self.graph.inputs[n].shape) for n, a, b in spans}
         # the first runs compile the kernels and settle the allocator, outside the capture; they write
         # the same K/V the replay will write again, so running them is harmless; recurrent state (which they
