@@ -81,6 +81,23 @@ def test_decode_steps_with_split_keys_match_cpu(tiny_checkpoint, vulkan, monkeyp
     assert rel(ours, ref) <= 1e-3
 
 
+def test_decode_steps_with_every_product_split_match_cpu(tiny_checkpoint, vulkan, monkeypatch):
+    """Every one-token product cut in two along K (the tiny shapes alone never are): q/k/v and gate/up summed
+    by the combine pass (gate/up gated there) as the head, o and down left as partial sums that the next
+    residual add + rms_norm adds up."""
+    from poot_backend_vulkan.kernels import linear
+
+    monkeypatch.setattr(linear, "split_count", lambda groups, words, min_span=256: 2 if words >= 2 else 1)
+    handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
+    graph = trace(handle, StepShape(1, 1, 64))
+    kinds = [str(d.pipeline.label) for d, _ in vulkan.prepare(graph, vulkan.upload(handle.store())).step._records]
+    layers = handle.config().params.layers
+    combines = {k: kinds.count(k) for k in kinds if k.startswith("gemv_combine")}  # o and down have none
+    assert combines == {"gemv_combine:split": layers, "gemv_combine:gated_silu": layers, "gemv_combine": 1}  # head
+    ours, ref = both_logits(handle, vulkan, PROMPT[:20], prefill_chunk=1)
+    assert rel(ours, ref) <= 1e-3
+
+
 def test_yarn_rope_matches_cpu(tiny_checkpoint, vulkan, tmp_path):
     """YaRN's frequencies and its attention factor (cos and sin scaled by 1.14 here) come from poot_core's rope,
     as on the CPU: the prompt runs past the original context of 16, where the scaled frequencies matter."""

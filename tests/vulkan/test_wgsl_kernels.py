@@ -250,6 +250,34 @@ def test_rms_norm_plain_and_with_fused_residual(rt: Runtime, offset: float, cols
     np.testing.assert_array_equal(rt.read(h_out), x + res)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_rms_norm_adds_the_partial_sums_of_a_split_product(rt: Runtime, splits: int) -> None:
+    """A one-token product left as its split-K partial sums (gemv partials=True, no combine) and the residual
+    add + rms_norm that reads them: the same as the product summed first."""
+    rng = np.random.default_rng(15)
+    rows, cols = 200, 2048
+    data, dense = make_weight("bf16", rows, cols, rng)
+    weight = upload_weight(rt, data, "bf16", (rows, cols))
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    stream = rng.standard_normal((1, rows)).astype(np.float32)
+    norm_w = rng.standard_normal(rows).astype(np.float32)
+    partials = rt.empty((splits, rows))
+    flat = type(partials)(partials.buffer, (1, rows))
+    h, out = rt.empty((1, rows)), rt.empty((1, rows))
+    args = (rt.upload(stream), rt.upload(norm_w))
+
+    def record(batch) -> None:
+        gemv(batch, rt.upload(x), weight, flat, splits=splits, partials=True)
+        rms_norm(batch, args[0], args[1], out, eps=1e-6, residual=flat, residual_out=h, residual_splits=splits)
+
+    run(rt, record)
+    want_h = stream.astype(np.float64) + x.astype(np.float64) @ dense.T.astype(np.float64)
+    assert rel_err(rt.read(h), want_h) < HALF
+    assert rel_err(rt.read(out), rms_reference(want_h, norm_w, 1e-6, 0.0)) < HALF
+    with pytest.raises(Unsupported):  # the buffer must hold every split
+        gemv(rt.batch(), rt.upload(x), weight, rt.empty((1, rows)), splits=splits, partials=True)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_norm(rt: Runtime, with_bias: bool) -> None:
     rng = np.random.default_rng(5)

@@ -94,7 +94,11 @@ class VulkanProgram:
         self._ropes: dict[str, tuple[DeviceArray, DeviceArray, DeviceArray, float, str]] = {}
         # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
         # sum name -> (a, b), with a and b kept alive until the norm has read them
-        self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray]] = {}
+        self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray, int]] = {}
+        # a one-token product whose only reader is such an add leaves its split-K partial sums for the norm
+        # to add (no combine dispatch): linear output -> splits
+        self._partials: dict[str, int] = {}
+        self._readers = passes.readers(graph.nodes, graph.outputs)
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
         # a one-token gate/up product whose two parts only a gated activation reads writes act(gate) * up
         # itself: gate linear index -> (up linear index, gated index)
@@ -168,9 +172,9 @@ class VulkanProgram:
         eps, offset = float(node.attrs["eps"]), float(node.attrs.get("offset") or 0.0)
         fused = self._fused_adds.pop(node.inputs[0].name, None)
         if fused is not None:  # x = a + b is computed here and stored to x's buffer for its other readers
-            a, b = fused
+            a, b, splits = fused
             return lambda rec, start: norms.rms_norm(
-                rec, a, w, out, eps=eps, weight_offset=offset, residual=b, residual_out=x
+                rec, a, w, out, eps=eps, weight_offset=offset, residual=b, residual_out=x, residual_splits=splits
             )
         return lambda rec, start: norms.rms_norm(rec, x, w, out, eps=eps, weight_offset=offset)
 
@@ -194,6 +198,12 @@ class VulkanProgram:
             array = self._buffers.new(act_node.output, tuple(act_node.shape))
             gated_out = _view(array, (1, array.size))
             return lambda rec, start: lin.gemv(rec, flat_x, whole, gated_out, gated=gated)
+        splits = self._splits_for_norm(node, w) if group is None and b is None else 1
+        if splits > 1:  # [splits, rows] partial sums, added by the norm after the add that reads them
+            array = self._buffers.define(node.output, _view(self._buffers.take((splits, w.rows)), tuple(node.shape)))
+            self._partials[node.output] = splits
+            partial_out = _view(array, (1, w.rows))
+            return lambda rec, start: lin.gemv(rec, flat_x, w, partial_out, splits=splits, partials=True)
         out = self._new(node)
         flat_out = _view(out, (x.size // w.cols, w.rows))
         if group is None:
@@ -205,6 +215,22 @@ class VulkanProgram:
             outs.append(_view(array, (1, array.size)))
             self._filled.add(later.output)
         return lambda rec, start: lin.gemv(rec, flat_x, whole, outs)
+
+    def _splits_for_norm(self, node: Node, w: DeviceWeight) -> int:
+        """The split-K count of a one-token product whose only reader is a residual add that the next node's
+        rms_norm computes (passes.add_norm_pairs) with 16-byte rows, the add's other input already computed;
+        1 otherwise (the product then sums its own splits)."""
+        readers = self._readers.get(node.output, [])
+        if self.tokens != 1 or len(readers) != 1 or readers[0] not in self._add_norm or not lin.has_gemv(w):
+            return 1
+        add = self.graph.nodes[readers[0]]
+        other = next((r for r in add.inputs[:2] if r.name != node.output), None)
+        found = None if other is None else self._buffers.values.get(other.name)
+        norm_w = self.graph.nodes[readers[0] + 1].input(1)
+        width = self.weights.vectors.get(norm_w.name) if isinstance(norm_w, WeightRef) else None
+        if found is None or found.size != math.prod(node.shape) or width is None or width.size % 4:
+            return 1
+        return lin.gemv_splits(self.runtime, w)
 
     def _gated_by(self, node: Node, group: tuple[DeviceWeight, list[Node]] | None) -> str | None:
         """The activation when this linear is the gate of a gate/up concatenation whose two products only a
@@ -411,7 +437,10 @@ class VulkanProgram:
         a, b = self._value(node, 0), self._value(node, 1)
         if self._at in self._add_norm and a.size == b.size:  # the next node, an rms_norm, computes the sum
             self._new(node)
-            self._fused_adds[node.output] = (a, _view(b, a.shape))
+            names = [r.name for r in node.inputs[:2]]
+            if names[0] in self._partials:  # the partial sums are the norm's residual (a + b = b + a exactly)
+                a, b, names = b, a, names[::-1]
+            self._fused_adds[node.output] = (a, _view(b, a.shape), self._partials.get(names[1], 1))
             self._buffers.read_later((r.name for r in node.inputs[:2]), self._at)  # read by the norm too
             return None
         return self._binary(node, ew.add)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from poot_core.errors import Reason, Unsupported
 
-from .runtime import MAX_GROUPS, Batch, DeviceArray, grid_1d, pack_params, shader_source
+from .runtime import MAX_GROUPS, Batch, DeviceArray, Runtime, grid_1d, pack_params, shader_source
 from .shapes import check
 from .weights import DeviceWeight
 
@@ -77,6 +77,7 @@ def gemv(
     warp: bool | None = None,
     splits: int | None = None,
     gated: str | None = None,
+    partials: bool = False,
 ) -> None:
     """out[N] = W[N, K] @ x[K] (+ bias) for one token (gemv.wgsl): dense weights read as 16-byte words, GGUF
     blocks a 32-value unit per thread and step.
@@ -87,7 +88,9 @@ def gemv(
     subgroups of exactly 32 lanes a row is one subgroup (WARP), unless `warp` is False.
     splits: cut each row's K into this many ranges, summed by a combine pass (None: split_count).
     gated: an activation of GATED_ACTS: W is a gate/up concatenation (gate rows, then as many up rows, in one
-    binding) and out[N / 2] = act(gate) * up, the products themselves never stored (one output, no bias)."""
+    binding) and out[N / 2] = act(gate) * up, the products themselves never stored (one output, no bias).
+    partials: with splits > 1, out's buffer holds [splits, N] and gets the partial sums, added by its reader
+    (norms.rms_norm's residual_splits) instead of a combine pass (one output, no bias, not gated)."""
     if not has_gemv(weight):
         raise Unsupported(Reason.SHAPE, "gemv", f"{weight.fmt.name} rows of {weight.cols} values")
     outs = list(out) if isinstance(out, list) else [out]
@@ -97,6 +100,8 @@ def gemv(
                               or len(weight.chunks) > 1):
         raise Unsupported(Reason.SHAPE, f"gemv gated {gated}",
                           f"one output, no bias, an even row count in one binding, an activation of {GATED_ACTS}")
+    if partials and (len(outs) > 1 or bias is not None or gated is not None):
+        raise Unsupported(Reason.SHAPE, "gemv partials", "one output, no bias, not gated")
     check("gemv.x", x, (1, weight.cols))
     sizes = [o.size for o in outs]
     if gated is not None:
@@ -105,23 +110,17 @@ def gemv(
         raise Unsupported(Reason.SHAPE, "gemv.out", f"outputs of {sizes} values for {weight.rows} rows")
     if bias is not None:
         check("gemv.bias", bias, (weight.rows,))
-    use_subgroups = batch.runtime.gemv_subgroups if subgroups is None else subgroups
-    if use_subgroups and not batch.runtime.has_subgroups:
-        raise Unsupported(Reason.OPERATION, "gemv subgroups", "the device has no subgroup feature")
-    use_warp = use_subgroups and (batch.runtime.subgroup_width == 32 if warp is None else warp)
-    if use_warp and batch.runtime.subgroup_width != 32:
-        raise Unsupported(Reason.OPERATION, "gemv warp", "the device's subgroups are not 32 lanes")
-    flag = "WARP" if use_warp else "SUBGROUP" if use_subgroups else "TREE"
+    flag, rows_per_group = _reduction(batch.runtime, subgroups, warp)
     source, per_word, min_span = _gemv_source(weight)
     source = source.replace(f"//{flag} ", "")
-    rows_per_group = _GEMV_ROWS
-    if use_warp:
-        rows_per_group = 256 // 32
+    if flag == "WARP":
         source = source.replace("const ROWS: u32 = 4u;", f"const ROWS: u32 = {rows_per_group}u;")
         source = source.replace("const LANES: u32 = 64u;", "const LANES: u32 = 32u;")
     words = weight.cols // per_word
     if splits is None:
         splits = split_count(-(-weight.rows // rows_per_group), words, min_span)
+    if partials and outs[0].buffer.size < 4 * splits * weight.rows:
+        raise Unsupported(Reason.SHAPE, "gemv partials", f"a buffer of {splits} x {weight.rows} values")
     if not 1 <= splits <= MAX_GROUPS:
         raise Unsupported(Reason.SHAPE, "gemv", f"{splits} splits of a row")
     span = -(-words // splits)
@@ -134,7 +133,8 @@ def gemv(
     variant = flag
     if splits > 1:  # partial sums to a scratch buffer, then one combine pass writes the outputs
         source, variant = source.replace("//SPLITK ", ""), variant + ":splitk"
-        target, extra = batch.runtime.scratch("gemv_partial", 4 * splits * weight.rows), []
+        target = outs[0].buffer if partials else batch.runtime.scratch("gemv_partial", 4 * splits * weight.rows)
+        extra = []
     else:
         source, variant = _flags(source, variant, bias is not None, len(outs) > 1, gated)
         target, extra = outs[0].buffer, tail
@@ -144,11 +144,32 @@ def gemv(
                              weight.rows)
         gx, gy, _ = grid_1d(-(-chunk.rows // rows_per_group))
         batch.dispatch(pipeline, [chunk.buffer, x.buffer, target, *extra], params, (gx, gy, splits))
-    if splits > 1:
+    if splits > 1 and not partials:
         source, variant = _flags(shader_source("gemv_combine"), "", bias is not None, len(outs) > 1, gated)
         combine = batch.runtime.pipeline("gemv_combine", source, variant)
         batch.dispatch(combine, [target, outs[0].buffer, *tail], pack_params(weight.rows, splits, split1, split2),
                        grid_1d(-(-weight.rows // 64)))
+
+
+def _reduction(runtime: Runtime, subgroups: bool | None, warp: bool | None) -> tuple[str, int]:
+    """(the gemv shader's reduction flag: TREE, SUBGROUP or WARP, rows per workgroup) for these choices (None:
+    the runtime's default)."""
+    use_subgroups = runtime.gemv_subgroups if subgroups is None else subgroups
+    if use_subgroups and not runtime.has_subgroups:
+        raise Unsupported(Reason.OPERATION, "gemv subgroups", "the device has no subgroup feature")
+    use_warp = use_subgroups and (runtime.subgroup_width == 32 if warp is None else warp)
+    if use_warp and runtime.subgroup_width != 32:
+        raise Unsupported(Reason.OPERATION, "gemv warp", "the device's subgroups are not 32 lanes")
+    if use_warp:
+        return "WARP", 256 // 32
+    return ("SUBGROUP" if use_subgroups else "TREE"), _GEMV_ROWS
+
+
+def gemv_splits(runtime: Runtime, weight: DeviceWeight) -> int:
+    """The split-K count gemv chooses for this matrix with the runtime's default reduction."""
+    _, rows_per_group = _reduction(runtime, None, None)
+    _, per_word, min_span = _gemv_source(weight)
+    return split_count(-(-weight.rows // rows_per_group), weight.cols // per_word, min_span)
 
 
 def _flags(source: str, variant: str, bias: bool, split: bool, gated: str | None = None) -> tuple[str, str]:

@@ -25,11 +25,14 @@ def rms_norm(
     weight_offset: float = 0.0,
     residual: DeviceArray | None = None,
     residual_out: DeviceArray | None = None,
+    residual_splits: int = 1,
 ) -> None:
     """out = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset) per row of x[rows, cols].
 
     h = x, or h = x + residual when `residual` is given; then h is also written to `residual_out`
-    (the running residual stream). Gemma's (1 + w) is weight_offset=1.0.
+    (the running residual stream). Gemma's (1 + w) is weight_offset=1.0. residual_splits > 1: residual's
+    buffer holds that many partial sums of it one after another (linear.gemv's partials), added here
+    (rows of a multiple of 4 values only).
     """
     cols = weight.size
     rows = x.size // cols
@@ -43,8 +46,16 @@ def rms_norm(
         check("rms_norm.residual", residual, (rows, cols))
         check("rms_norm.residual_out", residual_out, (rows, cols))
         buffers += [residual.buffer, residual_out.buffer]
-    pipeline = _variant(batch, "rms_norm_wide" if cols % 4 == 0 else "rms_norm", "FUSED", fused)
-    batch.dispatch(pipeline, buffers, pack_params(cols, float(eps), float(weight_offset)), (rows, 1, 1))
+    if residual_splits > 1 and (not fused or cols % 4 or residual.buffer.size < 4 * residual_splits * x.size):
+        raise Unsupported(Reason.SHAPE, "rms_norm residual_splits",
+                          f"a residual of {residual_splits} x {x.size} values, rows of a multiple of 4")
+    if cols % 4:
+        pipeline = _variant(batch, "rms_norm", "FUSED", fused)
+        params = pack_params(cols, float(eps), float(weight_offset))
+    else:
+        pipeline = _variant(batch, "rms_norm_wide", "FUSED", fused)
+        params = pack_params(cols, float(eps), float(weight_offset), residual_splits, x.size // 4)
+    batch.dispatch(pipeline, buffers, params, (rows, 1, 1))
 
 
 def layer_norm(

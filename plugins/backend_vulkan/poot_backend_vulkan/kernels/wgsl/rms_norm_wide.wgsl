@@ -1,9 +1,13 @@
 // rms_norm.wgsl for rows of a multiple of 4 values: 256 threads a row (THREADS) and 16-byte loads, so the one row
-// of a decode step is read by the whole workgroup at once instead of 64 threads looping. Same FUSED lines.
+// of a decode step is read by the whole workgroup at once instead of 64 threads looping. Same FUSED lines; here
+// the residual may be the split-K partial sums of a one-token product (gemv's partials): p.splits arrays of
+// p.stride words, added in order (as gemv_combine.wgsl adds them) before the sum with x.
 struct Params {
     cols: u32,
     eps: f32,
     offset: f32,
+    splits: u32,
+    stride: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -17,7 +21,11 @@ const THREADS: u32 = 256u;
 
 fn load(i: u32) -> vec4<f32> {
     var h = x[i];
-    //FUSED h += residual[i];
+    //FUSED var r = residual[i];
+    //FUSED for (var s = 1u; s < p.splits; s++) {
+    //FUSED     r += residual[s * p.stride + i];
+    //FUSED }
+    //FUSED h += r;
     return h;
 }
 
