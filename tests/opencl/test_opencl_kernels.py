@@ -244,17 +244,18 @@ def test_rope_qkv_rotates_q_and_k_and_writes_the_caches(rt, style):
         assert not cache[:start].any() and not cache[start + tokens :].any()
 
 
-@pytest.mark.parametrize(("tokens", "start", "window", "softcap", "split_len"), [
-    (1, 70, 0, 0.0, 16),  # decode over 5 splits of 16 keys, the last one partial
-    (1, 70, 20, 30.0, 16),  # decode in a sliding window with a soft-cap: early splits see nothing
-    (5, 0, 0, 0.0, 64),  # a prompt's first chunk
-    (6, 9, 4, 0.0, 8),  # a later chunk in a window of 4, splits of 8
+@pytest.mark.parametrize(("tokens", "start", "window", "softcap", "split_len", "head_dim"), [
+    (1, 70, 0, 0.0, 16, 40),  # decode over 5 splits of 16 keys, the last one partial
+    (1, 70, 0, 0.0, 16, 38),  # a head size not a multiple of 4: a key's dot reads one float at a time
+    (1, 70, 20, 30.0, 16, 40),  # decode in a sliding window with a soft-cap: early splits see nothing
+    (5, 0, 0, 0.0, 64, 40),  # a prompt's first chunk
+    (6, 9, 4, 0.0, 8, 40),  # a later chunk in a window of 4, splits of 8
 ])
-def test_attention_matches_cpu(rt, tokens, start, window, softcap, split_len):
+def test_attention_matches_cpu(rt, tokens, start, window, softcap, split_len, head_dim):
     """GQA (4 query heads over 2), keys already cached before `start`; the new keys and values written by
     kv_write, then split attention and its combine, against the CPU executor's attention."""
     rng = np.random.default_rng(tokens + start)
-    heads, kv_heads, head_dim, capacity = 4, 2, 40, 80
+    heads, kv_heads, capacity = 4, 2, 80
     q = rng.standard_normal((1, tokens, heads, head_dim)).astype(np.float32)
     k = rng.standard_normal((1, tokens, kv_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((1, tokens, kv_heads, head_dim)).astype(np.float32)

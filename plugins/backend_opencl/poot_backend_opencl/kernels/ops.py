@@ -171,8 +171,9 @@ def attention(rt: Runtime, q: Arr, k_cache: Buffer, v_cache: Buffer, positions: 
               window: int, softcap: float) -> list[Launch]:
     group = rt.limits.group
     dims = attention_dims(rt, head_dim)
-    split = _k(rt, ("common", "attention"), "attention_split", DIMS=dims)
-    combine = _k(rt, ("common", "attention"), "attention_combine", DIMS=dims)
+    vec4 = int(head_dim % 4 == 0)
+    split = _k(rt, ("common", "attention"), "attention_split", DIMS=dims, VEC4=vec4)
+    combine = _k(rt, ("common", "attention"), "attention_combine", DIMS=dims, VEC4=vec4)
     return [
         Launch(rt, split, (splits * group, heads, tokens), (group, 1, 1),
                [q, k_cache, v_cache, positions, part, heads, kv_heads, head_dim, split_len, splits, scale, window,

@@ -2,13 +2,19 @@
 // one work-group per (split, head, token) writes its partial softmax (max, sum, weighted values) and
 // attention_combine merges a query's splits. Query t sits at positions[0] + t and sees keys up to it (and no
 // further back than `window` when window > 0); scores are scaled, then soft-capped when softcap > 0.
-// DIMS = values per work-item (head_dim <= DIMS * GROUP).
+// DIMS = values per work-item (head_dim <= DIMS * GROUP). VEC4 (head_dim a multiple of 4): a key's dot reads
+// its row 16 bytes a load.
 
 kernel void attention_split(global const float* q, global const float* kc, global const float* vc,
                             global const uint* positions, global float* part, int heads, int kv_heads,
                             int head_dim, int split_len, int splits, float scale, int window, float softcap) {
     int s = get_group_id(0), h = get_group_id(1), t = get_group_id(2), lid = get_local_id(0);
+#if VEC4
+    local float4 qv4[DIMS * GROUP / 4];
+    local float* qv = (local float*)qv4;
+#else
     local float qv[DIMS * GROUP];
+#endif
     local float p[GROUP];
     local float scratch[GROUP];
     int pos = (int)positions[0] + t;
@@ -26,9 +32,14 @@ kernel void attention_split(global const float* q, global const float* kc, globa
         float score = -INFINITY;
         if (k < hi) {
             global const float* kr = kc + k * stride + kvh * head_dim;
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot = fma(qv[d], kr[d], dot);
-            score = dot * scale;
+            float sum = 0.0f;
+#if VEC4
+            global const float4* kr4 = (global const float4*)kr;
+            for (int d = 0; d < head_dim / 4; d++) sum += dot(qv4[d], kr4[d]);
+#else
+            for (int d = 0; d < head_dim; d++) sum = fma(qv[d], kr[d], sum);
+#endif
+            score = sum * scale;
             if (softcap > 0.0f) score = tanh(score / softcap) * softcap;
         }
         float best = fmax(m, group_max(score, scratch));
