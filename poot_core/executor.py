@@ -61,7 +61,7 @@ class Program(Protocol):
 
 class Executor(Protocol):
     """What every backend defines. Optional methods (declared below, each with its default): greedy_token,
-    greedy_rows."""
+    greedy_rows, mask_logits."""
 
     name: str
 
@@ -117,6 +117,24 @@ class GreedyRowsOnDevice(Protocol):
 def device_greedy_rows(executor: Executor) -> Callable[[Output], np.ndarray] | None:
     """The executor's `greedy_rows`, or None when it has none."""
     return executor.greedy_rows if isinstance(executor, GreedyRowsOnDevice) else None
+
+
+@runtime_checkable
+class MaskOnDevice(Protocol):
+    """Optional `mask_logits(output, bitmask, rows)`: in a logits output [1, R, vocab], set to -inf every token
+    of row rows[i] whose bit is 0 in bitmask[i] (int32 [n, ceil(vocab / 32)], bit b of word w is token 32 w + b,
+    llguidance's packed layout; rows int64 [n] in 0..R-1), on the device and in place; returns the output. Only
+    the packed words cross to the device (vocab / 8 bytes a row), never a vocabulary-sized mask.
+
+    Default for a backend without it: the caller reads the logits with `to_numpy` and masks them on the host
+    (poot_core.driver.token_masks does both, with the same result)."""
+
+    def mask_logits(self, output: Output, bitmask: np.ndarray, rows: np.ndarray) -> Output: ...
+
+
+def device_mask(executor: Executor) -> Callable[[Output, np.ndarray, np.ndarray], Output] | None:
+    """The executor's `mask_logits`, or None when it has none."""
+    return executor.mask_logits if isinstance(executor, MaskOnDevice) else None
 
 
 @runtime_checkable
@@ -256,5 +274,5 @@ def check_positions(graph: Graph, inputs: dict[str, Any]) -> None:
 
 
 __all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "GreedyOnDevice", "GreedyRowsOnDevice",
-           "Output", "Program", "State", "StepShape", "Weights", "check_positions", "device_greedy",
-           "device_greedy_rows", "installed_backends", "open_executor", "require_ops"]
+           "MaskOnDevice", "Output", "Program", "State", "StepShape", "Weights", "check_positions", "device_greedy",
+           "device_greedy_rows", "device_mask", "installed_backends", "open_executor", "require_ops"]

@@ -452,6 +452,13 @@ class CpuExecutor:
     def to_numpy(self, value: torch.Tensor) -> np.ndarray:
         return value.detach().float().numpy()
 
+    def mask_logits(self, output: torch.Tensor, bitmask: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """Constraint masks (packed int32 words) applied to rows of a logits output, in place
+        (executor.MaskOnDevice)."""
+        from poot_core.cpu.token_mask import mask_logits
+
+        return mask_logits(output, bitmask, rows)
+
     def memory(self) -> dict[str, int]:
         vm = psutil.virtual_memory()
         return {"total": int(vm.total), "free": int(vm.available)}

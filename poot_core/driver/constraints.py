@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from poot_core.driver import token_masks
 from poot_core.errors import PootError, RequestError
 
 if TYPE_CHECKING:
@@ -172,22 +174,32 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The mask workers: a serving step computes the masks of all its constrained rows at once while it runs."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="poot-mask")
+        workers = min(8, max(2, (os.cpu_count() or 2) // 2))
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="poot-mask")
     return _POOL
 
 
 class Matcher:
     """A compiled constraint's state for one request: the allowed next tokens, advanced by each accepted token,
-    rolled back by n tokens, done when the grammar admits nothing more (but end-of-sequence)."""
+    rolled back by n tokens, done when the grammar admits nothing more (but end-of-sequence). Masks are kept as
+    llguidance packs them (int32 words, bit b of word w allowing token 32 w + b: token_masks.py applies them)."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos_ids: Iterable[int], allow_eos: bool) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
-        self._eos = np.array(sorted(int(i) for i in eos_ids if 0 <= int(i) < vocab_size), dtype=np.int64)
-        self._allow_eos = allow_eos
-        self._mask: np.ndarray | None = None  # bool [vocab]: the allowed tokens in the current state
+        self._words = token_masks.words(vocab_size)
+        eos = np.array(sorted(int(i) for i in eos_ids if 0 <= int(i) < vocab_size), dtype=np.int64)
+        # what every mask keeps of llguidance's: the bits of the logits' tokens, end-of-sequence only if allowed
+        keep = np.full(self._words, -1, dtype=np.int32)
+        if vocab_size % 32:
+            keep[-1] = (1 << (vocab_size % 32)) - 1
+        if not allow_eos and eos.size:
+            np.bitwise_and.at(keep.view(np.uint32), eos // 32, ~(np.uint32(1) << (eos % 32).astype(np.uint32)))
+        self._keep = keep
+        self._mask: np.ndarray | None = None  # int32 [words]: the allowed tokens in the current state
         self._pending: Future[np.ndarray] | None = None
 
     def _lib(self, what: str, call: Callable[[], Any]) -> Any:
@@ -204,11 +216,7 @@ class Matcher:
         raw = self._lib("compute_bitmask", self._m.compute_bitmask)
         if self._lib("is_error", self._m.is_error):  # llguidance then allows only end-of-sequence: not a reply
             raise RequestError(f"the constraint failed{self._why()}")
-        bits = np.frombuffer(raw, dtype=np.uint8)  # one bit per token, little-endian words
-        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        if not self._allow_eos and self._eos.size:
-            allowed[self._eos] = False
-        return allowed
+        return np.frombuffer(raw, dtype="<i4", count=self._words) & self._keep
 
     def prefetch(self) -> None:
         """Start computing the next mask on a worker thread (llguidance releases the GIL), so that it is ready
@@ -221,19 +229,24 @@ class Matcher:
             pending, self._pending = self._pending, None
             self._mask = pending.result()
 
-    def allowed(self) -> np.ndarray:
-        """bool [vocab]: the tokens the constraint allows next (end-of-sequence where it is complete)."""
+    def words(self) -> np.ndarray:
+        """int32 [words]: the packed mask of the tokens the constraint allows next (end-of-sequence where it is
+        complete)."""
         self._settle()
         if self._mask is None:
             self._mask = self._compute()
         return self._mask
 
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """The logits with every token the constraint forbids at -inf (a new array)."""
-        allowed = self.allowed()
-        if not allowed.any():
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens the constraint allows next."""
+        return token_masks.unpack(self.words()[None], self.vocab_size)[0]
+
+    def row_mask(self) -> np.ndarray:
+        """words() for a row about to be sampled: RequestError when it allows no token."""
+        mask = self.words()
+        if not mask.any():
             raise RequestError(f"the constraint allows no next token{self._why()}")
-        return np.where(allowed, logits, -np.inf)
+        return mask
 
     def _why(self) -> str:
         try:
@@ -284,16 +297,16 @@ class Matcher:
         return Proposal(proposal.tokens[:n], None if proposal.q is None else proposal.q[:n])
 
     def masks_along(self, drafts: list[int]) -> np.ndarray:
-        """bool [len(drafts) + 1, vocab]: the mask before each draft and after the last, for a verify step whose
-        logits row i follows the first i drafts; the state is left where it was. A row after a draft that
+        """int32 [len(drafts) + 1, words]: the packed mask before each draft and after the last, for a verify step
+        whose logits row i follows the first i drafts; the state is left where it was. A row after a draft that
         completes the grammar allows everything where it allows nothing: the request ends before it is used."""
-        rows = [self.allowed()]
+        rows = [self.words()]
         for d in drafts:
             self.advance(d)
-            rows.append(self.allowed())
+            rows.append(self.words())
         self.rollback(len(drafts))
         out = np.stack(rows)
-        out[~out.any(axis=1)] = True
+        out[~out.any(axis=1)] = -1
         return out
 
 
@@ -312,7 +325,7 @@ def compile_constraint(constraint: Constraint, tokenizer: tokenizers.Tokenizer, 
         raise RequestError(f"{constraint.describe()} does not compile: {_first_line(matcher.get_error())}")
     out = Matcher(matcher, vocab_size, eos, allow_eos)
     try:  # the first mask now (it is needed first anyway): a constraint no text can satisfy is refused here
-        out.allowed()
+        out.words()
     except RequestError as exc:
         raise RequestError(f"{constraint.describe()} admits no reply: {exc}") from None
     return out

@@ -40,7 +40,8 @@ from poot_core.driver.speculation import (
     make_speculation,
 )
 from poot_core.driver.stops import StopMatcher
-from poot_core.errors import CapacityError, Reason, RequestError, Unsupported
+from poot_core.driver.token_masks import TokenMasks
+from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
 from poot_core.executor import Executor, Output, Program, State, Weights, device_greedy
 from poot_core.graph import Graph, StepShape, Tracer
 
@@ -136,9 +137,10 @@ class Timings:
 class Generation:
     tokens: list[int]
     text: str
-    stop_reason: str  # "eos" | "stop" | "length" | "capacity" | "callback"
+    stop_reason: str  # "eos" | "stop" | "length" | "capacity" | "callback" (serving: also "abort", "error")
     timings: Timings
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    error: PootError | None = None  # what failed, when stop_reason is "error"
 
 
 OnToken = Callable[[int, str], GenerationControl | None]
@@ -173,6 +175,7 @@ class Driver:
         self.weights: Weights = executor.upload(handle.store())
         # Greedy picks on the device when the executor can (one id crosses to the host, not the logits).
         self._greedy = device_greedy(executor)
+        self.masks = TokenMasks(executor)  # constraint masks, on the device where the executor can
         self._shapes = handle.store().shapes()
         self._programs: OrderedDict[StepShape, Program] = OrderedDict()
         self._state: dict[int, State] = {}  # rows -> executor state
@@ -333,8 +336,7 @@ class Driver:
                 if logprobs is not None:
                     logprobs.append(decided_logprobs.pop(0))
             elif logprobs is not None:
-                row = self.executor.to_numpy(last)[0, -1]
-                row = row if matcher is None else matcher.apply(row)
+                row = self._last_row(last, matcher)
                 token = sampler.sample(row, history, len(prompt))
                 logprobs.append(token_logprobs(row, token, request.logprobs or 0))
             else:
@@ -454,9 +456,11 @@ class Driver:
         (the state itself is rolled back; the loop advances it by the kept tokens). With `top` (the request's
         logprobs), also each kept token's log-probabilities from its row."""
         tokens = [history[-1], *proposal.tokens]
-        logits = self.executor.to_numpy(self._run(tokens, position, True))[0]
-        if matcher is not None:
-            logits = np.where(matcher.masks_along(proposal.tokens), logits, -np.inf)
+        out = self._run(tokens, position, True)
+        if matcher is None:
+            logits = self.executor.to_numpy(out)[0]
+        else:
+            logits = self.masks.apply(out, np.arange(len(tokens)), matcher.masks_along(proposal.tokens)).host()
         decided = accept(logits, proposal, sampler, history, prompt_len)
         self._cached = self._cached[:position] + tokens[: len(decided)]
         if top is None:
@@ -468,10 +472,20 @@ class Driver:
         """Greedy picks on the device when the executor has greedy_token; otherwise the sampler on the host,
         over the logits the constraint allows (if any). prompt_len: where the prompt ends in `history` (the
         presence and frequency penalties need it)."""
-        if matcher is None and sampler.is_greedy and self._greedy is not None:
-            return int(self._greedy(logits))
-        row = self.executor.to_numpy(logits)[0, -1]
-        return sampler.sample(row if matcher is None else matcher.apply(row), history, prompt_len)
+        if matcher is None:
+            if sampler.is_greedy and self._greedy is not None:
+                return int(self._greedy(logits))
+            return sampler.sample(self.executor.to_numpy(logits)[0, -1], history, prompt_len)
+        masked = self.masks.apply(logits, [-1], matcher.row_mask()[None])
+        if masked.on_device and sampler.is_greedy and self._greedy is not None:
+            return int(self._greedy(masked.output))  # the packed mask crossed to the device, one id comes back
+        return sampler.sample(masked.host()[-1], history, prompt_len)
+
+    def _last_row(self, logits: Output, matcher: Matcher | None) -> np.ndarray:
+        """The logits of the output's last position on the host, masked by the constraint (if any)."""
+        if matcher is None:
+            return self.executor.to_numpy(logits)[0, -1]
+        return self.masks.apply(logits, [-1], matcher.row_mask()[None]).host()[-1]
 
     # --- encode: the final hidden state of every position (embeddings) ---------------------------------
     def prepare_encode(self, rows: int, longest: int) -> None:

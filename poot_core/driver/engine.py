@@ -15,8 +15,15 @@ the prefix cache and speculation are off for it.
 Steps are pipelined (`_step_pipelined`): once a step's ids are read and each sequence's tokens, eos and length
 are settled on ids, the next step is scheduled and launched, and only then is the read step detokenized and
 matched against stop strings while the device runs the next one. A request a stop string ends thus has one
-more row in the launched step; that row is dropped when read (its request is gone). Speculation, constraints,
-token callbacks and prompt scoring keep the old order (`_serial`): their next step depends on the text.
+more row in the launched step; that row is dropped when read (its request is gone). Constraints pipeline too:
+the next step's input is the token alone, so a constraint takes it (and starts computing its next mask) while
+the next step runs, and a request it completes has one more row there, dropped likewise. Speculation, token
+callbacks and prompt scoring keep the old order (`_serial`): their next step depends on the text.
+
+The constrained rows of a step are masked together: their packed masks (computed on worker threads while the
+step runs, see constraints.Matcher.prefetch) go to the executor's device as one int32 array (token_masks.py),
+so a greedy constrained row takes the device's argmax like an unconstrained one, and unconstrained rows pay
+nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from poot_core.driver.scheduler import Limits, Scheduler, Sequence
 from poot_core.driver.speculative_engine import engine_speculation
 from poot_core.driver.state_pool import StatePool, pool_sizes, slot_index
 from poot_core.driver.stops import StopMatcher
+from poot_core.driver.token_masks import Masked
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
 from poot_core.executor import Output, Program, device_greedy_rows
 from poot_core.graph import Paging, StepShape
@@ -290,13 +298,12 @@ class ServingDriver:
         return events + self._step_serial()
 
     def _serial(self) -> bool:
-        """Whether this step keeps the old order: speculation proposes from the text's tokens, a constraint's
-        next mask and a callback's answer follow each token's text, prompt scoring reads rows at once."""
+        """Whether this step keeps the old order: speculation proposes from the text's tokens, a callback's answer
+        follows each token's text, prompt scoring reads rows at once."""
         if not self.pipeline or self.speculation is not None:
             return True
         scores = self.prompt_scores
-        return any(r.constraint is not None or r.on_token is not None or scores.scoring(rid)
-                   for rid, r in self._requests.items())
+        return any(r.on_token is not None or scores.scoring(rid) for rid, r in self._requests.items())
 
     def _step_serial(self) -> list[Event]:
         if self.speculation is not None:
@@ -459,24 +466,45 @@ class ServingDriver:
         self._tables[seq.id] = (blocks, array)
         return array
 
-    def _on_device(self, req: _Request) -> bool:
+    def _on_device(self, req: _Request, masked_on_device: bool) -> bool:
         """Whether the row's token can be the executor's argmax (the logits then never cross to the host)."""
-        return (self._greedy_rows is not None and not self.keep_logits and req.constraint is None
-                and req.logprobs is None and req.request.sampler.is_greedy)
+        return (self._greedy_rows is not None and not self.keep_logits and req.logprobs is None
+                and req.request.sampler.is_greedy and (req.constraint is None or masked_on_device))
+
+    def _masked(self, rows: list[tuple[int, _Request]], out: Output, events: list[Event]) -> Masked | None:
+        """The step's logits with every constrained row masked at once (None when no row is constrained). A
+        request whose constraint allows no token or failed ends here, and leaves `rows`."""
+        slots, masks = [], []
+        for slot, req in list(rows):
+            if req.constraint is None:
+                continue
+            try:
+                masks.append(req.constraint.row_mask())
+            except PootError as exc:  # this request's own failure: it ends; the step's other rows go on
+                events.extend(self._finish(req, "error", exc))
+                rows.remove((slot, req))
+                continue
+            slots.append(slot)
+        return self.driver.masks.apply(out, slots, np.stack(masks)) if slots else None
 
     def _sample(self, batch: list[tuple[Sequence, int]], out: Output, accept: _Accept | None = None) -> list[Event]:
         """Pick each row's token and hand it to `accept` (default `_accept`: the whole path at once)."""
         accept = accept or self._accept
-        picking = []  # (slot, request, whether its token is the device's argmax)
+        rows = []  # (slot, request)
         for slot, (seq, _) in enumerate(batch):
             # pending: a prefill chunk short of the prompt's end, nothing to pick yet; a request its prompt's
             # scoring finished (max_new 0), an abort or a stop string while the step ran ended is gone
             if not seq.pending and seq.id in self._requests:
-                req = self._requests[seq.id]
-                picking.append((slot, req, self._on_device(req)))
-        greedy = self._greedy_rows(out) if any(dev for _, _, dev in picking) else None
-        logits = None if all(dev for _, _, dev in picking) else self.driver.executor.to_numpy(out)[0]
+                rows.append((slot, self._requests[seq.id]))
         events: list[Event] = []
+        masked = self._masked(rows, out, events)
+        if masked is not None:
+            out = masked.output
+        picking = [(slot, req, self._on_device(req, masked is None or masked.on_device)) for slot, req in rows]
+        greedy = self._greedy_rows(out) if any(dev for _, _, dev in picking) else None
+        logits = None
+        if not all(dev for _, _, dev in picking):
+            logits = self.driver.executor.to_numpy(out)[0] if masked is None else masked.host()
         for slot, req, on_device in picking:
             try:
                 if on_device:
@@ -485,12 +513,12 @@ class ServingDriver:
                 if self.keep_logits:
                     self.logits[req.seq.id].append(logits[slot].copy())
                 events.extend(self._pick(req, logits[slot], accept))
-            except PootError as exc:  # this request's own failure (its constraint allows no token, or failed):
+            except PootError as exc:  # this request's own failure (its constraint failed taking the token):
                 events.extend(self._finish(req, "error", exc))  # it ends; the step's other rows go on
         return events
 
-    def _pick(self, req: _Request, logits: np.ndarray, accept: _Accept) -> list[Event]:
-        row = logits if req.constraint is None else req.constraint.apply(logits)
+    def _pick(self, req: _Request, row: np.ndarray, accept: _Accept) -> list[Event]:
+        """The row's token from its logits (masked by its constraint already) by its own sampler."""
         token = req.request.sampler.sample(row, req.seq.tokens, req.prompt_len)
         logprobs = None
         if req.logprobs is not None:
@@ -524,13 +552,32 @@ class ServingDriver:
         return []
 
     def _emit(self, held: _Held) -> list[Event]:
-        """A held token's text and events, in the order _accept gives them (stop before length)."""
+        """A held token's text and events, in the order _accept gives them (stop, then the constraint, then
+        length). A constraint takes the token here, while the next step runs (that step's input is the token
+        alone), and starts computing its next mask; a request it completes has one more row in the running step,
+        dropped when read."""
         req = held.req
         if held.end == "eos":
             return self._finish(req, "eos")
+        complete, error = False, None
+        if req.constraint is not None:
+            try:
+                req.constraint.advance(held.token)
+            except PootError as exc:  # as _accept: the token is kept, its text is not given
+                return self._finish(req, "error", exc)
+            try:
+                complete = req.constraint.done
+            except PootError as exc:  # the token's text still goes out before the error
+                error = exc
+            if not complete and error is None and held.end is None:
+                req.constraint.prefetch()  # the mask of the running step's row
         events, hit = self._text(req, held.token, held.logprobs)
         if hit:  # the step now running has one more row of this request: dropped when read
             return events + self._finish(req, "stop")
+        if error is not None:
+            return events + self._finish(req, "error", error)
+        if complete:  # the constraint admits nothing more
+            return events + self._finish(req, "eos", flush=True)
         if held.end == "length":
             return events + self._finish(req, "length")
         return events
@@ -586,7 +633,7 @@ class ServingDriver:
                           reused_tokens=req.seq.reused)
         timings.proposed, timings.accepted, timings.verify_steps = req.proposed, req.accepted, req.verify_steps
         generation = Generation(list(req.generated), "".join(req.pieces), reason, timings,
-                                None if req.logprobs is None else list(req.logprobs))
+                                None if req.logprobs is None else list(req.logprobs), error)
         tpot = (now - first) / (count - 1) if count > 1 else 0.0
         events.append(FinishedEvent(req.seq.id, reason, generation, first - req.submitted if count else 0.0, tpot,
                                     req.seq.preemptions, error))

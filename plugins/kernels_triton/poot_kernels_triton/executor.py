@@ -170,6 +170,19 @@ class TritonExecutor:
         cross to the host, not the logits."""
         return self._argmax(value.reshape(-1, value.shape[-1])).cpu().numpy()
 
+    def mask_logits(self, value: torch.Tensor, bitmask: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """Constraint masks (packed int32 words) applied to rows of a logits output [1, R, vocab] on the GPU, in
+        place (poot_core.executor.MaskOnDevice): the words cross to the device, one kernel writes -inf."""
+        from .sampling import apply_bitmask
+        from .tuning import use_tuning
+
+        logits = value[0]
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64) % logits.shape[0]).to(self.device)
+        words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(self.device)
+        with torch.inference_mode(), use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext():
+            apply_bitmask(logits, words, index)
+        return value
+
     def _argmax(self, rows: torch.Tensor) -> torch.Tensor:
         from .sampling import greedy
         from .tuning import use_tuning

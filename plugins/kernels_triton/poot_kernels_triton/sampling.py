@@ -231,3 +231,47 @@ def sample(
         BLOCK=block,
     )
     return out
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, bits_ptr, rows_ptr, vocab, stride, words, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab
+    word = tl.load(bits_ptr + i * words + offs // 32, mask=inside, other=-1)
+    refused = ((word >> (offs % 32)) & 1) == 0
+    row = tl.load(rows_ptr + i)
+    ninf = tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + row * stride + offs, ninf, mask=inside & refused)  # allowed tokens are not touched
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """In the logits [R, vocab], every token of row rows[i] whose bit is 0 in bitmask[i] (int32 [n, words], bit b
+    of word w is token 32 w + b) set to -inf, in place; only refused tokens are written. rows: int64 [n] in
+    0..R-1. Returns the logits."""
+    check_dims("logits", logits, 2)
+    check_float("logits", logits)
+    require(logits.stride(1) == 1, "logits need a contiguous last dimension")
+    check_dims("bitmask", bitmask, 2)
+    require(bitmask.dtype == torch.int32 and bitmask.is_contiguous(), "bitmask must be contiguous int32")
+    check_same_device(logits, bitmask)
+    check_same_device(logits, rows)
+    n, words = bitmask.shape
+    vocab = logits.shape[1]
+    require(rows.shape == (n,) and rows.dtype == torch.int64, f"rows must be int64 [{n}]")
+    require(words * 32 >= vocab, f"bitmask of {words} words cannot cover a vocabulary of {vocab}")
+    tuning = tuning_for_device(logits.device)
+    block = 256 if tuning.backend == "interpreter" else 4096
+    launch(
+        _bitmask_kernel,
+        (n, -(-vocab // block)),
+        Tile(num_warps=min(8, tuning.row_warps), num_stages=1),
+        logits_ptr=logits,
+        bits_ptr=bitmask,
+        rows_ptr=rows,
+        vocab=vocab,
+        stride=logits.stride(0),
+        words=words,
+        BLOCK=block,
+    )
+    return logits
