@@ -40,23 +40,25 @@ log = common.log
 PRODUCTS = ("gemv", "gemv3", "gemv_gated", "linear")  # linear/logits products: cl/gemv.cl (one token), cl/linear.cl
 
 
-def held_enqueue_ms(rt: Any, enqueue: Any, rounds: int) -> float:
-    """Median host CPU ms of one step's enqueue with the queue held by a user event (nothing runs until it is
-    released, so no device work competes with the enqueuing thread): the pure host cost of a step's launches."""
+def held_enqueue_ms(rt: Any, enqueue: Any, rounds: int) -> dict[str, float]:
+    """Median host ms of one step's enqueue with the queue held by a user event (nothing runs until it is
+    released, so no device work competes with the enqueuing thread): the pure host cost of a step's launches,
+    as the enqueuing thread's CPU time and as wall time."""
     import statistics
     import time
 
     cl = rt.cl
-    times = []
+    cpu, wall = [], []
     for _ in range(rounds):
         hold = cl.UserEvent(rt.context)
         cl.enqueue_marker(rt.queue, wait_for=[hold])
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         enqueue()
-        times.append(time.thread_time() - t0)
+        cpu.append(time.thread_time() - t0)
+        wall.append(time.perf_counter() - w0)
         hold.set_status(cl.command_execution_status.COMPLETE)
         rt.finish()
-    return 1e3 * statistics.median(times)
+    return {"cpu_ms": 1e3 * statistics.median(cpu), "wall_ms": 1e3 * statistics.median(wall)}
 
 
 def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds: int = 5) -> dict[str, Any]:
@@ -73,8 +75,8 @@ def step_profile(ex: Any, dec: Any, state: dict[str, Any], position: int, rounds
     rt, step = ex.runtime, dec.step
     profiling = rt.cl.CommandQueue(rt.context, properties=rt.cl.command_queue_properties.PROFILING_ENABLE)
     enqueue, wait, per_name = [], [], {}
-    held = {"library_ms": held_enqueue_ms(rt, step.enqueue, rounds),
-            "pyopencl_ms": held_enqueue_ms(rt, Enqueuer(rt.queue, step.launches, direct=False), rounds)}
+    held = {"library": held_enqueue_ms(rt, step.enqueue, rounds),
+            "pyopencl": held_enqueue_ms(rt, Enqueuer(rt.queue, step.launches, direct=False), rounds)}
     for _ in range(rounds):
         dec.run(state, {"tokens": np.array([[1]]), "positions": np.array([[position]])})
         rt.finish()
@@ -137,8 +139,9 @@ def row(key: str, backend: str, r: dict[str, Any]) -> str:
         top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["kernel_ms"].items(), key=lambda kv: -kv[1])[:6])
         held = p["held_enqueue"]
         extra = (f", host run() {r['host_run_ms']:.2f} ms a step, {r['launches_per_step']} kernels; timing pass: "
-                 f"enqueue {p['enqueue_ms']:.2f} ms + wait {p['wait_after_enqueue_ms']:.2f} ms (queue held: "
-                 f"library call {held['library_ms']:.2f} ms, pyopencl {held['pyopencl_ms']:.2f} ms), device "
+                 f"enqueue {p['enqueue_ms']:.2f} ms + wait {p['wait_after_enqueue_ms']:.2f} ms (queue held, cpu/wall: "
+                 f"library call {held['library']['cpu_ms']:.2f}/{held['library']['wall_ms']:.2f} ms, pyopencl "
+                 f"{held['pyopencl']['cpu_ms']:.2f}/{held['pyopencl']['wall_ms']:.2f} ms), device "
                  f"{p['device_ms']:.2f} ms = products {p['products_ms']:.2f} + rest {p['other_ms']:.2f} "
                  f"(ms by kernel: {top})")
     return (f"{r['decode_tok_s']:7.1f} tok/s {r['achieved_GBps']:6.1f} GB/s "
