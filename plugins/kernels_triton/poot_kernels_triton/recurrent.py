@@ -167,7 +167,7 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, window:
     row_args = _paged_args(paged, window, (channels, kernel - 1), count)
     x, w = unit_stride_last(x), w.contiguous()
     out = torch.empty(count, tokens, channels, dtype=torch.float32, device=x.device)
-    block_t, block_c = min(_tile(tokens), 32), _tile(channels, 128)
+    block_t, block_c = min(next_pow2(tokens), 32), _tile(channels, 128)  # no product: a decode tile is one token
     tile = _warps(x)
     token_tiles = cdiv(tokens, block_t)
     fused = kernel > 1 and token_tiles == 1  # decode: one launch computes the outputs and moves the window
@@ -476,9 +476,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
             f"gated_rms_norm x {tuple(x.shape)}, gate {tuple(gate.shape)}, group {group}")
     x, gate = unit_stride_last(x), unit_stride_last(gate)
     out = torch.empty(rows, width, dtype=out_dtype, device=x.device)
-    launch(_gated_rms_norm_kernel, (rows, width // group), _warps(x), x_ptr=x, z_ptr=gate, w_ptr=w, out_ptr=out,
-           group=group, x_stride=x.stride(0), z_stride=gate.stride(0), out_stride=out.stride(0), eps=float(eps),
-           NORM_FIRST=norm_first, BLOCK=next_pow2(group))
+    block = next_pow2(group)  # one program a group: Granite's spans the whole inner width (8 warps from 8192)
+    launch(_gated_rms_norm_kernel, (rows, width // group), _warps(x, block), x_ptr=x, z_ptr=gate, w_ptr=w,
+           out_ptr=out, group=group, x_stride=x.stride(0), z_stride=gate.stride(0), out_stride=out.stride(0),
+           eps=float(eps), NORM_FIRST=norm_first, BLOCK=block)
     return out
 
 
