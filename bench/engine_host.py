@@ -142,8 +142,8 @@ class IdleExecutor:
 
 
 def _timed(engine: Any, requests: list[GenerateRequest], profile: bool) -> tuple[float, dict[str, list[float]]]:
-    """Run the requests to their end; the wall seconds and each step's seconds, by kind."""
-    step_times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    """Run the requests to their end; the wall seconds and each step's wall and CPU seconds, by kind."""
+    step_times: dict[str, list[float]] = {"decode": [], "prefill": [], "decode_cpu": [], "prefill_cpu": []}
     submitted = [engine.submit(r) for r in requests]
     profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
@@ -153,9 +153,11 @@ def _timed(engine: Any, requests: list[GenerateRequest], profile: bool) -> tuple
     while finished < len(submitted):
         # pending 0: in flight (pipelined or ahead), its token not read yet
         decode = not engine.scheduler.waiting and all(s.pending <= 1 for s in engine.scheduler.running)
-        s0 = time.perf_counter()
+        s0, c0 = time.perf_counter(), time.thread_time()
         events = engine.step()
-        step_times["decode" if decode else "prefill"].append(time.perf_counter() - s0)
+        kind = "decode" if decode else "prefill"
+        step_times[kind].append(time.perf_counter() - s0)
+        step_times[kind + "_cpu"].append(time.thread_time() - c0)  # this thread's CPU time: less load-bound
         finished += sum(1 for e in events if type(e).__name__ == "FinishedEvent")
     if profiler:
         profiler.disable()
@@ -205,20 +207,23 @@ def main() -> None:
         print(f"simulated device {args.device_ms} ms a step, {device:.2f} s in all; host alone {seconds:.2f} s; "
               f"host + device {seconds + device:.2f} s, max {max(seconds, device):.2f} s")
         print("  wall: " + "; ".join(f"{order} {walls[order]:.2f} s ({steps[order]} steps)" for order in walls))
-    decode_ms = 1000 * float(np.mean(step_times["decode"])) if step_times["decode"] else 0.0
-    prefill_ms = 1000 * float(np.mean(step_times["prefill"])) if step_times["prefill"] else 0.0
+    def mean_ms(kind: str) -> float:
+        return 1000 * float(np.mean(step_times[kind])) if step_times[kind] else 0.0
+
+    decode_ms, prefill_ms = mean_ms("decode"), mean_ms("prefill")
     print(f"engine host time, {args.requests} x ({args.prompt} + {args.new}), step budget {args.step_tokens}: "
-          f"{seconds:.2f} s over {sum(map(len, step_times.values()))} steps")
-    print(f"  decode step   {decode_ms:7.2f} ms host   (H200 device time of a 256-sequence decode step: "
-          f"{H200_DECODE_256_MS} ms)")
-    print(f"  prefill step  {prefill_ms:7.2f} ms host   (H200 device time of a 2 x 1024 chunk step: "
-          f"{H200_PREFILL_2048_MS} ms)")
+          f"{seconds:.2f} s over {len(step_times['decode']) + len(step_times['prefill'])} steps")
+    print(f"  decode step   {decode_ms:7.2f} ms host, {mean_ms('decode_cpu'):.2f} ms CPU   "
+          f"(H200 device time of a 256-sequence decode step: {H200_DECODE_256_MS} ms)")
+    print(f"  prefill step  {prefill_ms:7.2f} ms host, {mean_ms('prefill_cpu'):.2f} ms CPU   "
+          f"(H200 device time of a 2 x 1024 chunk step: {H200_PREFILL_2048_MS} ms)")
     extra = {} if args.device_ms <= 0 else {"device_ms": args.device_ms, "device_seconds": device,
                                             "wall_old_order": walls["old order"],
                                             "wall_pipelined": walls["pipelined"], "wall_ahead": walls["ahead"]}
     common.write("engine_host", {"requests": args.requests, "prompt": args.prompt, "new": args.new,
                                  "step_tokens": args.step_tokens, "seconds": seconds,
                                  "decode_steps": len(step_times["decode"]), "decode_ms": decode_ms,
+                                 "decode_cpu_ms": mean_ms("decode_cpu"), "prefill_cpu_ms": mean_ms("prefill_cpu"),
                                  "prefill_steps": len(step_times["prefill"]), "prefill_ms": prefill_ms,
                                  "h200_decode_256_ms": H200_DECODE_256_MS,
                                  "h200_prefill_2048_ms": H200_PREFILL_2048_MS, **extra})

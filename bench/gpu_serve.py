@@ -9,6 +9,12 @@ bytes at the measured copy bandwidth, whichever is slower), and the decode step 
 (the engine's own decode programs, replayed from CUDA graphs, 768 positions of context each).
 
     python bench/gpu_serve.py [--workloads 256x1024+128,64x512+256] [--no-hf] [--layers 32]
+                              [--orders pipelined,ahead]
+
+--orders runs each workload once per step order after the warm-up run: "ahead" (the default: the next step
+launched before the ids of the one in flight are read, its tokens fed on the GPU; poot_core/driver/ahead.py) and
+"pipelined" (each step's ids read before the next is scheduled); the first order's figure is the row's, and a
+batch of 16 of the workload's requests is run in every order to check that they give the same tokens.
 
 The random model has no tokenizer; its ids are shown through the tiny test tokenizer (id mod its vocabulary),
 so every generated token still pays a real incremental detokenization.
@@ -138,7 +144,8 @@ def engine_options(n: int, prompt: int, new: int, step_tokens: int | None) -> An
     return options
 
 
-def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_tokens: int | None) -> dict[str, Any]:
+def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_tokens: int | None,
+                  orders: tuple[str, ...] = ("ahead",)) -> dict[str, Any]:
     from poot_core import Driver, GenerateRequest, Layout
 
     engine = Driver(handle, ex, engine_options(n, prompt, new, step_tokens)).serve(Layout.PAGED)
@@ -150,19 +157,30 @@ def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_toke
         return [GenerateRequest(rng.integers(0, vocab, prompt).tolist(), max_new=new, ignore_eos=True)
                 for _ in range(n)]
 
-    runs = []
-    for _ in range(2):  # the first compiles kernels and captures graphs; the second is the figure
-        batch = requests()
+    def run(batch: list[Any]) -> tuple[float, list[Any], int, int]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        steps0 = engine.steps
+        steps0, ahead0 = engine.steps, engine.ahead.steps
         gens = engine.generate_batch(batch)
         torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0, gens, engine.steps - steps0))
-    first_s = runs[0][0]
-    seconds, gens, steps = runs[1]
+        return time.perf_counter() - t0, gens, engine.steps - steps0, engine.ahead.steps - ahead0
+
+    first_s = run(requests())[0]  # compiles kernels and captures graphs
+    timed = {}
+    for order in orders:  # each on new prompts (the same ones would hit the prefix cache)
+        engine.ahead.on = order == "ahead"
+        timed[order] = run(requests())
+    check, tokens = requests()[:16], {}
+    for order in orders:
+        engine.ahead.on = order == "ahead"
+        tokens[order] = [g.tokens for g in engine.generate_batch(check)]
+    engine.ahead.on = True
+    seconds, gens, steps, _ = timed[orders[0]]
     out_tokens = sum(len(g.tokens) for g in gens)
     return {
+        "orders": {order: {"seconds": t[0], "output_tok_s": sum(len(g.tokens) for g in t[1]) / t[0],
+                           "steps": t[2], "steps_ahead": t[3]} for order, t in timed.items()},
+        "same_tokens_in_every_order": all(v == tokens[orders[0]] for v in tokens.values()),
         "seconds": seconds, "first_run_s": first_s, "steps": steps,
         "output_tok_s": out_tokens / seconds, "total_tok_s": (out_tokens + n * prompt) / seconds,
         "output_tokens": out_tokens,
@@ -243,6 +261,7 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget (default: its own)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of a decode and a prefill step")
+    ap.add_argument("--orders", default="ahead", help="step orders to time: ahead, pipelined (comma-separated)")
     ap.add_argument("--out", default=str(common.RESULTS / "gpu_serve.json"))
     args = ap.parse_args()
     from poot_backend_cuda.executor import CudaExecutor
@@ -265,7 +284,7 @@ def main() -> int:
         row: dict[str, Any] = {"requests": n, "prompt": prompt, "new": new,
                                "floor": floor_seconds(hf, n, prompt, new, tflops, gbps)}
         try:
-            poot = poot_workload(handle, ex, n, prompt, new, args.step_tokens)
+            poot = poot_workload(handle, ex, n, prompt, new, args.step_tokens, tuple(args.orders.split(",")))
             engine = poot.pop("engine")
             row["poot"] = poot
             if n >= 64 and prompt + new >= 769:
@@ -310,6 +329,10 @@ def main() -> int:
         if "ttft_ms" in p:
             log("  TTFT ms " + " ".join(f"{k} {v:.0f}" for k, v in p["ttft_ms"].items()) +
                 " | TPOT ms " + " ".join(f"{k} {v:.1f}" for k, v in p["tpot_ms"].items()))
+        if "orders" in p:
+            log("  step orders: " + "; ".join(f"{k} {v['output_tok_s']:.0f} output tok/s ({v['steps']} steps, "
+                                               f"{v['steps_ahead']} ahead)" for k, v in p["orders"].items()) +
+                f"; same tokens in every order: {p['same_tokens_in_every_order']}")
         if "decode_step_ms" in row:
             s = row["decode_step_ms"]
             log(f"  decode step at 768 positions: batch 1 {s['batch1']:.2f} ms, batch 64 {s['batch64']:.2f} ms "
