@@ -152,7 +152,8 @@ def test_joint_one_token_products(rt, fmt, counts):
 ])
 def test_gate_up_products_with_their_activation(rt, fmt, rows, cols, act):
     """One token's gate and up products and act(gate) * up in one launch (cl/gemv.cl gemv_gated), rows not a
-    multiple of a work-group's, against float64 over the stored values and the CPU executor's activation."""
+    multiple of a work-group's, against float64 over the stored values and the CPU executor's activation; as
+    an expert's, chosen and not."""
     (gate, g_values), (up, u_values) = stored(fmt, rows, cols, seed=rows), stored(fmt, rows, cols, seed=rows + 1)
     wg, wu = device_weight(rt, gate, fmt, rows, cols), device_weight(rt, up, fmt, rows, cols)
     assert ops.gated_fusable(rt, wg, wu)
@@ -162,6 +163,11 @@ def test_gate_up_products_with_their_activation(rt, fmt, rows, cols, act):
     g, u = (x.astype(np.float64) @ values.astype(np.float64).T for values in (g_values, u_values))
     want = cpu_ops.activation(torch.from_numpy(g), act).numpy() * u
     assert rel(read(rt, y), want) < 1e-5
+    for chosen in (0.0, 0.5):  # an expert's products: 0 where the token did not choose it
+        expert = arr(rt, np.full((1, rows), 7.0, dtype=np.float32))
+        routing = arr(rt, np.array([[1.0, chosen]], np.float32))
+        run(rt, ops.linear_gated(rt, wg, wu, arr(rt, x), expert, act, chosen=(routing, 1)))
+        assert rel(read(rt, expert), want) < 1e-5 if chosen else not read(rt, expert).any()
 
 
 def test_expert_gate_skips_unchosen_tokens(rt):

@@ -394,10 +394,13 @@ class OpenCLProgram:
                     ops.moe_route(rt, logits, bias, weights, tokens, count, a)]
         for e, (w_gate, w_up, w_down) in enumerate(experts):
             chosen = (weights, count, e)
+            if tokens == 1 and ops.gated_fusable(rt, w_gate, w_up):  # one launch for gate, up and the activation
+                launches.append(ops.linear_gated(rt, w_gate, w_up, x, h, a["act"], chosen=(weights, e)))
+            else:
+                launches += [ops.linear(rt, w_gate, x, gate, tokens, gate=chosen),
+                             ops.linear(rt, w_up, x, up, tokens, gate=chosen),
+                             ops.gated(rt, gate, up, h, a["act"])]
             launches += [
-                ops.linear(rt, w_gate, x, gate, tokens, gate=chosen),
-                ops.linear(rt, w_up, x, up, tokens, gate=chosen),
-                ops.gated(rt, gate, up, h, a["act"]),
                 ops.linear(rt, w_down, h, y, tokens, gate=chosen),
                 ops.moe_accumulate(rt, weights, count, e, y, out, width, tokens, ops.ASSIGN if e == 0 else ops.ADD),
             ]

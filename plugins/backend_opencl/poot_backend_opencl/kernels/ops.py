@@ -112,14 +112,18 @@ def gated_fusable(rt: Runtime, gate: DeviceWeight, up: DeviceWeight) -> bool:
     return shape is not None and shape[1] >= 2
 
 
-def linear_gated(rt: Runtime, gate: DeviceWeight, up: DeviceWeight, x: Arr, y: Arr, act: str) -> Launch:
-    """y = act(gate x) * up x for one token in one launch. Check `gated_fusable` first."""
+def linear_gated(rt: Runtime, gate: DeviceWeight, up: DeviceWeight, x: Arr, y: Arr, act: str,
+                 chosen: tuple[Arr, int] | None = None) -> Launch:
+    """y = act(gate x) * up x for one token in one launch; `chosen` = (routing weights [1, experts], e): an
+    expert's, 0 where the token did not choose it. Check `gated_fusable` first."""
     shape = gemv_shape(rt, gate)
     assert shape is not None and gated_fusable(rt, gate, up)
     group, per = shape
+    g, col = chosen if chosen is not None else (rt.dummy, -1)
     kernel = _k(rt, format_sources(gate.fmt, "gemv"), "gemv_gated", GEMV_GROUP=group, GEMV_ROWS=per)
     return Launch(rt, kernel, (-(-gate.rows // (per // 2)) * group,), (group,),
-                  [gate, up, gate.row_bytes, gate.row0, up.row0, x, gate.cols, gate.rows, y, ACTIVATIONS[act]])
+                  [gate, up, gate.row_bytes, gate.row0, up.row0, x, gate.cols, gate.rows, y, ACTIVATIONS[act], g,
+                   col])
 
 
 def embed(rt: Runtime, w: DeviceWeight, ids: Arr, out: Arr, tokens: int, scale: float) -> Launch:

@@ -90,15 +90,18 @@ kernel void gemv3(global const uchar* w0, global const uchar* w1, global const u
 // The products of a gate and an up matrix of one x with the gated activation as they are written (activate.cl):
 // a work-group takes GEMV_ROWS / 2 rows of each (its first half of row slots gate's, the second up's, so the
 // two sums of an output meet in local memory) and writes y[row] = act(gate_row . x) * (up_row . x).
-// GEMV_ROWS >= 2.
+// GEMV_ROWS >= 2. gate_col >= 0: an expert's products, as in gemv (an unchosen expert gives 0, reads nothing).
 kernel void gemv_gated(global const uchar* wg, global const uchar* wu, int row_bytes, int row0_g, int row0_u,
-                       global const float* x, int cols, int rows, global float* y, int act) {
+                       global const float* x, int cols, int rows, global float* y, int act,
+                       global const float* gate, int gate_col) {
     local float part[GEMV_GROUP];
     int lid = get_local_id(0), lane = lid % LANES, slot = lid / LANES;
     int half_rows = GEMV_ROWS / 2, m = slot / half_rows;
     int row = get_group_id(0) * half_rows + slot % half_rows;
+    int chosen = gate_col < 0 || gate[gate_col] != 0.0f;
     global const uchar* w = m == 0 ? wg + (size_t)(row0_g + row) * row_bytes : wu + (size_t)(row0_u + row) * row_bytes;
-    float acc = row < rows ? row_part(w, x, cols, lane) : 0.0f;
+    float acc = row < rows && chosen ? row_part(w, x, cols, lane) : 0.0f;
     float total = rows_sum(acc, part);  // every row's sum stays at its lane 0 in part
-    if (lane == 0 && m == 0 && row < rows) y[row] = activate(total, act) * part[(slot + half_rows) * LANES];
+    if (lane == 0 && m == 0 && row < rows)
+        y[row] = chosen ? activate(total, act) * part[(slot + half_rows) * LANES] : 0.0f;
 }
