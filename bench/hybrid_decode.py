@@ -184,9 +184,12 @@ def paged_rows(executor: Any, device: torch.device, dtype: torch.dtype, timer: A
 
             prog, inputs = common.paged_step(engine, batch, 1, timed[-1])
             kernels = gpu_decode.kernel_profile(prog, state, inputs)
-            entry["profile_us"] = {"context": timed[-1], **{k: round(v, 1) for k, v in list(kernels.items())[:14]}}
-            common.log(f"  B={batch} at {timed[-1]} by kernel (us): "
-                       + ", ".join(f"{k[:48]} {v:.0f}" for k, v in list(kernels.items())[:14]))
+            totals = {k: kernels.pop(k) for k in ("_kernels_total_us", "_launches_per_step")}
+            top = {k: round(v, 1) for k, v in list(kernels.items())[:14]}
+            entry["profile_us"] = {"context": timed[-1], **totals, **top}
+            common.log(f"  B={batch} at {timed[-1]}: {totals['_kernels_total_us']:.0f} us of kernels, "
+                       f"{totals['_launches_per_step']:.0f} launches; by kernel (us): "
+                       + ", ".join(f"{k[:48]} {v:.0f}" for k, v in top.items()))
     return out
 
 
