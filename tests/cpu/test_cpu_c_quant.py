@@ -15,7 +15,15 @@ from helpers.c_builds import BUILDS, library
 from helpers.gguf_blocks import QUANTIZABLE, quantized_blocks, random_blocks
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels
-from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS, NATIVE_16, dense16_tiles, embed_rows, tile_rows
+from poot_core.cpu.packed_linear import (
+    C_TYPES,
+    DECODE_ROWS,
+    FUSED_MAX_ROWS,
+    NATIVE_16,
+    dense16_tiles,
+    embed_rows,
+    tile_rows,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
 
@@ -59,7 +67,9 @@ def test_dequant_and_products_match_gguf(type_name: str, build: str, seed: int) 
 @pytest.mark.parametrize("half", [False, True])
 def test_16_bit_products_match_float64(build: str, half: bool) -> None:
     """poot_gemv16 (F16 and BF16 weights, as GGUF stores them unquantized): the float32 product of the exactly
-    widened weights, for 1 to 4 x rows and a width that leaves a tail after the vector loop."""
+    widened weights, for 1 to DECODE_ROWS + 1 x rows (more than one group of rows a call) and a width that leaves
+    a tail after the vector loop; each row's result is bit for bit the one it gets alone (a verify step's rows
+    are decode rows)."""
     rows, cols = 37, 1000
     rng = np.random.default_rng(int(half))
     wf = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -69,13 +79,21 @@ def test_16_bit_products_match_float64(build: str, half: bool) -> None:
     else:
         w16 = (wf.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: any bit pattern will do
         wide = (w16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    for m in range(1, FUSED_MAX_ROWS + 1):
+    lib = library(build)
+
+    def product(x: np.ndarray) -> np.ndarray:
+        y = np.full((x.shape[0], rows), np.nan, np.float32)
+        lib.poot_gemv16(w16.ctypes.data, cols, rows, cols, x.ctypes.data, x.shape[0], y.ctypes.data, int(half), 2)
+        return y
+
+    for m in (*range(1, 10), DECODE_ROWS, DECODE_ROWS + 1):
         x = rng.standard_normal((m, cols)).astype(np.float32)
-        y = np.full((m, rows), np.nan, np.float32)
-        library(build).poot_gemv16(w16.ctypes.data, cols, rows, cols, x.ctypes.data, m, y.ctypes.data, int(half), 2)
+        y = product(x)
         expect = x.astype(np.float64) @ wide.T
         bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(wide).T
         assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"
+        alone = np.concatenate([product(np.ascontiguousarray(x[r : r + 1])) for r in range(m)])
+        np.testing.assert_array_equal(y.view(np.uint32), alone.view(np.uint32), err_msg=f"m={m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -117,14 +135,15 @@ def test_embedding_rows_are_the_dequantized_rows(type_name: str) -> None:
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("type_name", [t for t, kernel in C_TYPES.items() if kernel.many])
-def test_many_rows_kernel_gives_each_row_its_lone_bits(type_name: str, build: str) -> None:
-    """The `many` kernel of a type (any number of rows: eight at a time, then four, then the rest) gives every
-    row of x the bits the decode kernel gives it alone (m = 1), in both builds, and agrees with float64."""
+@pytest.mark.parametrize("nb", [40, 41])
+def test_many_rows_kernel_gives_each_row_its_lone_bits(type_name: str, build: str, nb: int) -> None:
+    """The `many` kernel of a type (any number of rows: eight at a time, then four, two, the rest) gives every
+    row of x the bits the decode kernel gives it alone (m = 1), in both builds, and agrees with float64; rows of
+    an even and an odd number of blocks (Q8_0's kernels sum blocks in pairs)."""
     lib, kernel = library(build), C_TYPES[type_name]
     block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
-    rows, cols, m = 203, 40 * block, 21
+    rows, cols, m = 203, nb * block, 23
     blocks = blocks_of(type_name, rows, cols, seed=5)
-    nb = cols // block
     x = np.random.default_rng(9).standard_normal((m, cols)).astype(np.float32)
     lone = np.full((m, rows), np.nan, np.float32)
     for r in range(m):

@@ -93,6 +93,89 @@ static float row_dot512(int type, const uint8_t *row, int64_t nb, const float *x
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
+
+/* row_dot512 for R rows of x at once (1 < R <= 8; the rows k values apart, their sums of 32 nb apart, results
+   n apart): each block is decoded once for all R rows, and each row's sums are row_dot512's (the same products
+   of the same blocks in the same order into its own acc0, acc1 and macc), so each row of y is bit for bit what
+   row_dot512 gives that row alone. */
+static inline __attribute__((always_inline)) void rows_dot512(const int type, const int R, const uint8_t *row,
+                                                              int64_t nb, const float *x, int64_t k,
+                                                              const float *xsum, float *y, int64_t n) {
+    const int64_t size = block_bytes(type);
+    __m512 acc0[8], acc1[8];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    if (type != 2) {
+        const __m512 table = type == 0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                       : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m128 macc[8];
+        for (int r = 0; r < R; r++) macc[r] = _mm_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * size;
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == 0 ? 2 : 4))));
+            __m512 lo = _mm512_permutexvar_ps(q, table), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+            int32_t dm;
+            memcpy(&dm, blk, 4);
+            __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(type == 1 ? dm : dm & 0xffff)); /* d, m */
+            const __m512 d = _mm512_broadcastss_ps(scales);
+            const __m128 mn = _mm_movehdup_ps(scales);
+            for (int r = 0; r < R; r++) {
+                const float *xb = x + r * k + b * 32;
+                __m512 v = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+                if (b & 1) acc1[r] = _mm512_fmadd_ps(d, v, acc1[r]);
+                else acc0[r] = _mm512_fmadd_ps(d, v, acc0[r]);
+                if (type == 1) macc[r] = _mm_fmadd_ss(mn, _mm_load_ss(xsum + r * nb + b), macc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + _mm_cvtss_f32(macc[r]);
+        return;
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *b0 = row + b * size, *b1 = b0 + size;
+        const __m512 d0 = _mm512_set1_ps(f16(b0)), d1 = _mm512_set1_ps(f16(b1));
+        const __m512 lo0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 2))));
+        const __m512 hi0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 18))));
+        const __m512 lo1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b1 + 2))));
+        const __m512 hi1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b1 + 18))));
+        for (int r = 0; r < R; r++) {
+            const float *xb = x + r * k + b * 32;
+            acc0[r] = _mm512_fmadd_ps(d0, _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xb + 16),
+                                                          _mm512_mul_ps(lo0, _mm512_loadu_ps(xb))), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(d1, _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xb + 48),
+                                                          _mm512_mul_ps(lo1, _mm512_loadu_ps(xb + 32))), acc1[r]);
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *b0 = row + b * size;
+        const __m512 d0 = _mm512_set1_ps(f16(b0));
+        const __m512 lo0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 2))));
+        const __m512 hi0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 18))));
+        for (int r = 0; r < R; r++) {
+            const float *xb = x + r * k + b * 32;
+            acc0[r] = _mm512_fmadd_ps(d0, _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xb + 16),
+                                                          _mm512_mul_ps(lo0, _mm512_loadu_ps(xb))), acc0[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
+/* rows_dot512 for any number of rows: eight at a time, then four, two, and a last one through row_dot512. */
+static void rows_any512(int type, const uint8_t *row, int64_t nb, const float *x, int64_t m, const float *xsum,
+                        float *y, int64_t n) {
+    const int64_t k = nb * 32;
+    int64_t r = 0;
+    for (; r + 8 <= m; r += 8) rows_dot512(type, 8, row, nb, x + r * k, k, xsum + r * nb, y + r * n, n);
+    if (r + 4 <= m) {
+        rows_dot512(type, 4, row, nb, x + r * k, k, xsum + r * nb, y + r * n, n);
+        r += 4;
+    }
+    if (r + 2 <= m) {
+        rows_dot512(type, 2, row, nb, x + r * k, k, xsum + r * nb, y + r * n, n);
+        r += 2;
+    }
+    if (r < m) y[r * n] = row_dot512(type, row, nb, x + r * k, xsum + r * nb);
+}
 #endif
 
 #if POOT_AVX2
@@ -338,9 +421,7 @@ void poot_gemv(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
 #ifdef __AVX512F__
     if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t r = 0; r < m; r++)
-                y[r * n + o] = row_dot512(type, w + o * row_bytes, nb, x + r * nb * 32, xsum + r * nb);
+        for (int64_t o = 0; o < n; o++) rows_any512(type, w + o * row_bytes, nb, x, m, xsum, y + o, n);
         free(xsum);
         return;
     }
@@ -363,7 +444,7 @@ void poot_gemv_many(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int64_t m, float *y, int threads) {
 #if POOT_AVX2
 #ifdef __AVX512F__
-    if (type != Q4_0 && type != Q4_1 && type != Q8_0)  /* those three take row_dot512 a row at a time */
+    if (type != Q4_0 && type != Q4_1 && type != Q8_0)  /* those three take poot_gemv's rows_any512 */
 #endif
     {
         many256(type, w, row_bytes, n, nb, x, m, y, threads);
