@@ -114,6 +114,9 @@ def record_all_launches() -> list:
         logits = torch.zeros(2, 32000)
         ktr.greedy(logits)
         ktr.sample(logits, torch.zeros(2), temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)
+        from poot_kernels_triton.sampling import apply_bitmask
+
+        apply_bitmask(logits, torch.zeros(2, 1000, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
     return launches
 
 
