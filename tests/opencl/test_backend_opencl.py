@@ -81,7 +81,8 @@ def test_dense_families_match_cpu(tiny_checkpoint, opencl, arch):
 def test_a_decode_step_fuses_its_one_token_neighbours(tiny_checkpoint, opencl):
     """A llama decode step: per layer the residual add and rms_norm, q/k/v, both ropes with the k/v cache
     writes, the two attention kernels, o, gate/up with their activation and down (nine launches), plus the
-    embedding, the last norm, the head and the argmax; no separate rope, cache write, activation or copy."""
+    embedding, the last norm, the head and the argmax; no separate rope, cache write, activation or copy. The
+    step enqueues through the library call (kernels/enqueue.py); the parity tests above run through it."""
     handle = ModelHandle.load(tiny_checkpoint("llama", torch.float32))
     program = Driver(handle, opencl, DriverOptions(capacity=48)).program(StepShape(1, 1, 48))
     names = [launch.kernel.function_name for launch in program.step.launches]
@@ -89,6 +90,7 @@ def test_a_decode_step_fuses_its_one_token_neighbours(tiny_checkpoint, opencl):
     assert names.count("rope_qkv") == names.count("gemv_gated") == layers
     assert not {"rope", "kv_write", "gated", "copy", "add"} & set(names)
     assert layers > 1 and len(names) == 9 * layers + 4
+    assert program.step.enqueue.direct  # the loader's own clEnqueueNDRangeKernel, found where pyopencl's is
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -22,10 +22,22 @@ from poot_core.errors import Reason, Unsupported
 SUCCESS = 0
 
 
+def loaded_loaders() -> list[str]:
+    """Paths of the OpenCL ICD loaders mapped into this process (pyopencl's wheels bring their own), Linux only."""
+    import pyopencl  # noqa: F401  (maps its loader)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libOpenCL" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
+
+
 @functools.cache
 def library_enqueue() -> Any | None:
-    """clEnqueueNDRangeKernel of the OpenCL ICD loader pyopencl already loaded; None when not found."""
-    for name in ("libOpenCL.so.1", ctypes.util.find_library("OpenCL")):
+    """clEnqueueNDRangeKernel of the OpenCL ICD loader pyopencl uses (else the system's); None when not found."""
+    for name in (*loaded_loaders(), "libOpenCL.so.1", ctypes.util.find_library("OpenCL")):
         if not name:
             continue
         try:
