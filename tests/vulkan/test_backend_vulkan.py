@@ -82,9 +82,9 @@ def test_decode_steps_with_split_keys_match_cpu(tiny_checkpoint, vulkan, monkeyp
 
 
 def test_decode_steps_with_every_product_split_match_cpu(tiny_checkpoint, vulkan, monkeypatch):
-    """Every one-token product cut in two along K (the tiny shapes alone never are): q/k/v and gate/up summed
-    by the combine pass (gate/up gated there) as the head, o and down left as partial sums that the next
-    residual add + rms_norm adds up."""
+    """Every one-token product cut in two along K (the tiny shapes alone never are): gate/up summed and gated
+    by the combine pass, as the head; q/k/v left as partial sums that rope_kv adds up, o and down as partial
+    sums that the next residual add + rms_norm adds up."""
     from poot_backend_vulkan.kernels import linear
 
     monkeypatch.setattr(linear, "split_count", lambda groups, words, min_span=256: 2 if words >= 2 else 1)
@@ -92,8 +92,8 @@ def test_decode_steps_with_every_product_split_match_cpu(tiny_checkpoint, vulkan
     graph = trace(handle, StepShape(1, 1, 64))
     kinds = [str(d.pipeline.label) for d, _ in vulkan.prepare(graph, vulkan.upload(handle.store())).step._records]
     layers = handle.config().params.layers
-    combines = {k: kinds.count(k) for k in kinds if k.startswith("gemv_combine")}  # o and down have none
-    assert combines == {"gemv_combine:split": layers, "gemv_combine:gated_silu": layers, "gemv_combine": 1}  # head
+    combines = {k: kinds.count(k) for k in kinds if k.startswith("gemv_combine")}  # q/k/v, o and down have none
+    assert combines == {"gemv_combine:gated_silu": layers, "gemv_combine": 1}  # gate/up and the head
     ours, ref = both_logits(handle, vulkan, PROMPT[:20], prefill_chunk=1)
     assert rel(ours, ref) <= 1e-3
 

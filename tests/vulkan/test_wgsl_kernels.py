@@ -377,6 +377,20 @@ def test_rope_kv_rotates_q_and_writes_the_caches(rt: Runtime, style: str, rot_di
     np.testing.assert_array_equal(rt.read(v_cache), v_host)
     with pytest.raises(CapacityError):
         rope_kv(rt.batch(), *args[:-1], capacity - 2)
+    # q, k and v as two partial sums each, in one buffer (a split q/k/v product): the sums are rotated and written
+    sizes = [a.size for a in (q, k, v)]
+    parts = rng.standard_normal((2, sum(sizes))).astype(np.float32)
+    buffer = rt.upload(parts)
+    views = [type(buffer)(buffer.buffer, a.shape) for a in (q, k, v)]
+    run(rt, lambda b: rope_kv(b, *views, q_out, k_cache, v_cache, *args[6:], style=style, factor=1.5,
+                              partials=(2, sum(sizes), (0, sizes[0], sizes[0] + sizes[1]))))
+    summed = parts.astype(np.float64).sum(0)
+    q2, k2 = summed[: sizes[0]].reshape(q.shape), summed[sizes[0] : sizes[0] + sizes[1]].reshape(k.shape)
+    keep = 0.5 * (np.arange(head_dim) >= rot_dim)
+    assert rel_err(rt.read(q_out), 1.5 * rope_reference(q2, positions, inv, style) - keep * q2) < F32
+    assert rel_err(rt.read(k_cache)[start : start + tokens], 1.5 * rope_reference(k2, positions, inv, style) -
+                   keep * k2) < F32
+    assert rel_err(rt.read(v_cache)[start : start + tokens], summed[sizes[0] + sizes[1] :].reshape(v.shape)) < F32
 
 
 def test_kv_write_places_rows_and_refuses_overflow(rt: Runtime) -> None:

@@ -91,7 +91,7 @@ class VulkanProgram:
         # q and k ropes that only their attention reads run inside it (positional.rope_kv): rope index ->
         # attention index, and rope output -> (input, positions, table, factor, style) until the attention
         self._rope_into = {r: i for q, k, i in passes.rope_attention_triples(graph) for r in (q, k)}
-        self._ropes: dict[str, tuple[DeviceArray, DeviceArray, DeviceArray, float, str]] = {}
+        self._ropes: dict[str, tuple[DeviceArray, DeviceArray, DeviceArray, float, str, Any]] = {}
         # an add whose sum feeds the next node's rms_norm runs inside that norm (rms_norm.wgsl FUSED):
         # sum name -> (a, b), with a and b kept alive until the norm has read them
         self._fused_adds: dict[str, tuple[DeviceArray, DeviceArray, int]] = {}
@@ -99,6 +99,9 @@ class VulkanProgram:
         # to add (no combine dispatch): linear output -> splits
         self._partials: dict[str, int] = {}
         self._readers = passes.readers(graph.nodes, graph.outputs)
+        # a one-token q/k/v product read only by a fused rope_kv leaves its partial sums for it: q, k and v (and
+        # their reshapes) -> (splits, values a split, offset of the part)
+        self._parts: dict[str, tuple[int, int, int]] = {}
         self._filled: set[str] = set()  # linear outputs written by an earlier concatenated matmul
         # a one-token gate/up product whose two parts only a gated activation reads writes act(gate) * up
         # itself: gate linear index -> (up linear index, gated index)
@@ -204,6 +207,16 @@ class VulkanProgram:
             self._partials[node.output] = splits
             partial_out = _view(array, (1, w.rows))
             return lambda rec, start: lin.gemv(rec, flat_x, w, partial_out, splits=splits, partials=True)
+        if group is not None and (qkv_splits := self._splits_for_rope(node, *group)) > 1:
+            whole, partners = group  # q, k and v: views of one buffer of [splits, rows] partial sums
+            buffer, offset = self._buffers.take((qkv_splits, whole.rows)), 0
+            for part in (node, *partners):
+                self._buffers.define(part.output, _view(buffer, tuple(part.shape)))
+                self._parts[part.output] = (qkv_splits, whole.rows, offset)
+                offset += math.prod(part.shape)
+            self._filled.update(p.output for p in partners)
+            qkv_out = _view(buffer, (1, whole.rows))
+            return lambda rec, start: lin.gemv(rec, flat_x, whole, qkv_out, splits=qkv_splits, partials=True)
         out = self._new(node)
         flat_out = _view(out, (x.size // w.cols, w.rows))
         if group is None:
@@ -215,6 +228,29 @@ class VulkanProgram:
             outs.append(_view(array, (1, array.size)))
             self._filled.add(later.output)
         return lambda rec, start: lin.gemv(rec, flat_x, whole, outs)
+
+    def _splits_for_rope(self, node: Node, whole: DeviceWeight, partners: list[Node]) -> int:
+        """The split-K count of a one-token q/k/v product (this node q, partners k and v) whose parts, through
+        reshapes, only one fused rope_kv reads: q and k by the ropes of an attention that reads v
+        (passes.rope_attention_triples); 1 otherwise (the product then sums its own splits)."""
+        if self.tokens != 1 or len(partners) != 2:
+            return 1
+        ends = []
+        for name in (node.output, *(p.output for p in partners)):
+            readers = self._readers.get(name, [])
+            while len(readers) == 1 and self.graph.nodes[readers[0]].op == "reshape":
+                name = self.graph.nodes[readers[0]].output
+                readers = self._readers.get(name, [])
+            if len(readers) != 1:
+                return 1
+            ends.append((name, readers[0]))
+        (q, q_rope), (k, k_rope), (v, attention) = ends
+        nodes = self.graph.nodes
+        if (self._rope_into.get(q_rope) != attention or self._rope_into.get(k_rope) != attention
+                or [r.name for r in nodes[attention].inputs[:3]] != [nodes[q_rope].output, nodes[k_rope].output, v]
+                or nodes[q_rope].inputs[0].name != q or nodes[k_rope].inputs[0].name != k):
+            return 1
+        return lin.gemv_splits(self.runtime, whole)
 
     def _splits_for_norm(self, node: Node, w: DeviceWeight) -> int:
         """The split-K count of a one-token product whose only reader is a residual add that the next node's
@@ -289,6 +325,8 @@ class VulkanProgram:
         if math.prod(node.shape) != x.size:
             raise Unsupported(Reason.SHAPE, f"reshape {x.shape} -> {node.shape}", "the sizes differ")
         self._buffers.define(node.output, _view(x, tuple(node.shape)))
+        if node.inputs[0].name in self._parts:
+            self._parts[node.output] = self._parts[node.inputs[0].name]
         return None
 
     def op_rope(self, node: Node) -> Emitter | None:
@@ -309,7 +347,8 @@ class VulkanProgram:
         table, factor = found
         attention = self._rope_into.get(self._at)
         if attention is not None:  # the attention's rope_kv dispatch rotates it (passes.rope_attention_triples)
-            self._ropes[node.output] = (_view(x, (tokens, heads, head_dim)), positions, table, factor, style)
+            self._ropes[node.output] = (_view(x, (tokens, heads, head_dim)), positions, table, factor, style,
+                                        self._parts.get(node.inputs[0].name))
             self._buffers.read_later([node.inputs[0].name], self._at, attention)
             return None
         # Rotate in place when this rope is the last reader of the input's buffer; otherwise rotate a copy.
@@ -369,14 +408,18 @@ class VulkanProgram:
         split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
         splits = -(-capacity // split_len)
 
+        parts = None
         if fused:
             q_in, q_flat = q_flat, _view(self._buffers.scratch("rope_q", q_flat.shape), q_flat.shape)
-            _, positions, table, factor, style = q_rope
+            _, positions, table, factor, style, q_part = q_rope
+            found = [q_part, k_rope[5], self._parts.get(node.inputs[2].name)]
+            if all(found):  # one buffer of the q/k/v product's partial sums (op_linear checked the readers)
+                parts = (found[0][0], found[0][1], tuple(f[2] for f in found))
 
         def emit(rec: Recorder, start: int) -> None:
             if fused:
                 positional.rope_kv(rec, q_in, k_new, v_new, q_flat, k_cache, v_cache, positions, table, start,
-                                   style=style, factor=factor)
+                                   style=style, factor=factor, partials=parts)
             else:
                 positional.kv_write(rec, k_new, k_cache, start)
                 positional.kv_write(rec, v_new, v_cache, start)

@@ -79,10 +79,13 @@ def rope_kv(
     *,
     style: str = "neox",
     factor: float = 1.0,
+    partials: tuple[int, int, tuple[int, int, int]] | None = None,
 ) -> None:
     """rope(q) -> q_out, rope(k) and v -> the caches' rows start.., in one dispatch (rope_kv.wgsl): what rope on
     q, rope on k and kv_write of k and v compute, bit for bit. q: [tokens, heads, head_dim]; k, v: [tokens,
-    kv_heads, head_dim]; caches [capacity, kv_heads, head_dim]."""
+    kv_heads, head_dim]; caches [capacity, kv_heads, head_dim]. partials = (splits, stride, (q, k, v offsets)):
+    q, k and v lie in one buffer of split-K partial sums (linear.gemv partials=True of their concatenation),
+    added here instead of by a combine pass."""
     tokens, heads, head_dim = q.shape
     capacity, kv_heads, _ = k_cache.shape
     rot_dim = 2 * inv_freq.size
@@ -98,8 +101,11 @@ def rope_kv(
     if start < 0 or start + tokens > capacity:
         raise CapacityError(f"writing {tokens} positions at {start} overflows a KV cache of {capacity}")
     pipeline = batch.runtime.pipeline("rope_kv", shader_source("rope_kv"))
+    splits, stride, offsets = partials or (1, 0, (0, 0, 0))
+    if partials is not None and q.buffer.size < 4 * splits * stride:
+        raise Unsupported(Reason.SHAPE, "rope_kv partials", f"a buffer of {splits} x {stride} values")
     params = pack_params(tokens, heads, kv_heads, head_dim, rot_dim, int(style == "interleaved"),
-                         start * kv_heads * head_dim, float(factor))
+                         start * kv_heads * head_dim, float(factor), splits, stride, *offsets)
     work = tokens * (heads + 2 * kv_heads) * head_dim
     buffers = [q.buffer, k.buffer, v.buffer, q_out.buffer, k_cache.buffer, v_cache.buffer, positions.buffer,
                inv_freq.buffer]
