@@ -9,8 +9,12 @@ Prints decode tok/s for: one process (1 thread, and as many threads as there are
 tensor parallel and 2 ranks pipeline (each rank 1 thread), and the memory floor (weight bytes read per token
 over the measured copy bandwidth); writes bench/results/multi_device.json. The ranks' greedy tokens are checked
 against the single process. On the CPU the ranks share one memory bus, so TP cannot beat the floor; the figure
-shows the placement's overhead. The Llama-3-8B shape over GPU ranks needs an NCCL all_reduce handler in the Triton
-executor, which does not exist yet: with CUDA present this says so instead of running it.
+shows the placement's overhead.
+
+With CUDA present it also runs the Llama-3-8B shape (random bf16 weights made on the GPU, 128-token prompt)
+on the CUDA backend: the unplaced driver, and the same model placed tensor-parallel over a one-rank NCCL group
+(Coordinator.from_env(backend="nccl")), whose decode should match it in speed and tokens. Rows over several GPUs
+(one NCCL rank a GPU) are the two-GPU run's, not built here.
 """
 
 from __future__ import annotations
@@ -78,6 +82,40 @@ def placed(coordinator: Any, path: str, placement: str, new: int) -> dict[str, A
     return {"decode_tok_s": max(r["decode"] for r in rounds), "tokens": tokens} if coordinator.first else None
 
 
+def gpu_rows(new: int) -> dict[str, Any]:
+    """The Llama-3-8B shape on the CUDA backend, unplaced and placed over a one-rank NCCL group."""
+    import os
+
+    import gpu_serve
+
+    from poot_core import Driver, DriverOptions, GenerateRequest, open_executor
+    from poot_core.distributed import Coordinator, Placement
+    from poot_core.distributed.spawn import free_port
+
+    handle = gpu_serve.random_handle(common.hf_config("llama3_8b"))
+    ids = [(7 * i + 3) % 30000 + 2 for i in range(128)]
+    opts = DriverOptions(capacity=1024)
+    out: dict[str, Any] = {}
+    plain = Driver(handle, open_executor("cuda"), opts)
+    common.poot_round(plain, ids, 8)  # compile and capture
+    rounds = [common.poot_round(plain, ids, new) for _ in range(2)]
+    out["cuda_unplaced"] = {"decode_tok_s": max(r["decode"] for r in rounds),
+                            "tokens": plain.generate(GenerateRequest(ids, max_new=new, ignore_eos=True)).tokens}
+    del plain
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0"})
+    coordinator = Coordinator.from_env(backend="nccl")
+    try:
+        placed = Driver.placed(handle, coordinator, Placement.TENSOR, open_executor("cuda"), opts)
+        common.poot_round(placed, ids, 8)
+        rounds = [common.poot_round(placed, ids, new) for _ in range(2)]
+        out["cuda_nccl_1_rank"] = {"decode_tok_s": max(r["decode"] for r in rounds),
+                                   "tokens": placed.generate(GenerateRequest(ids, max_new=new,
+                                                                             ignore_eos=True)).tokens}
+    finally:
+        coordinator.close()
+    return out
+
+
 def main() -> None:
     from poot_core.distributed import Coordinator
 
@@ -103,9 +141,15 @@ def main() -> None:
     for name, r in results.items():
         r["same_tokens"] = r["tokens"] == reference
         common.log(f"{name:>18}: decode {r['decode_tok_s']:7.1f} tok/s  tokens equal: {r['same_tokens']}")
-    llama8b = "needs an NCCL all_reduce handler in the Triton executor (not built)" if torch.cuda.is_available() \
-        else "skipped: no CUDA device"
-    common.log(f"Llama-3-8B shape over GPU ranks: {llama8b}")
+    llama8b: Any = "skipped: no CUDA device"
+    if torch.cuda.is_available():
+        rows = gpu_rows(args.new)
+        same = rows["cuda_nccl_1_rank"]["tokens"] == rows["cuda_unplaced"]["tokens"]
+        llama8b = {k: v["decode_tok_s"] for k, v in rows.items()} | {"same_tokens": same}
+        common.log(f"Llama-3-8B shape, CUDA: unplaced {rows['cuda_unplaced']['decode_tok_s']:.1f} tok/s, placed over "
+                   f"a one-rank NCCL group {rows['cuda_nccl_1_rank']['decode_tok_s']:.1f} tok/s, tokens equal: {same}")
+    else:
+        common.log(f"Llama-3-8B shape over GPU ranks: {llama8b}")
     out = common.write("multi_device", {"shape": {"layers": args.layers, "hidden": 512, "heads": 8, "kv_heads": 4,
                                                   "intermediate": 1408, "vocab": 256, "dtype": "bfloat16"},
                                         "weight_bytes": weights, "copy_bandwidth": bandwidth, "floor_tok_s": floor,

@@ -7,6 +7,10 @@ processes on a free TCP port and runs fn(coordinator, ...) in each (spawn.py).
 Every collective waits at most `timeout` seconds: a rank that died or stopped makes the others raise a
 RankFailure naming the collective, instead of hanging. Graph ops (all_reduce, all_gather) reach the coordinator
 by the key in their attributes (`group(key)`), so a prepared program holds no process group itself.
+
+Tensors may live on any device: NCCL sums GPU tensors where they are, gloo sums CPU tensors, and a tensor on the
+other kind of device goes through a copy. Inside a CUDA graph capture a collective is launched without the
+timed host wait (a captured graph cannot wait on the host; NCCL's own watchdog still bounds it).
 """
 
 from __future__ import annotations
@@ -40,20 +44,26 @@ class Coordinator:
     """This process's place in a group of `world` ranks. Collectives act on CPU tensors under gloo (on the
     device's tensors under NCCL) and return their result."""
 
-    def __init__(self, rank: int, world: int, timeout: float = DEFAULT_TIMEOUT, key: str = "world") -> None:
+    def __init__(self, rank: int, world: int, timeout: float = DEFAULT_TIMEOUT, key: str = "world",
+                 joined: bool = False) -> None:
         self.rank = rank
         self.world = world
         self.timeout = timeout
         self.key = key
+        # collectives go through torch.distributed: several ranks, or one rank that joined a group on purpose
+        # (a one-rank NCCL group runs the same calls as many ranks do)
+        self.joined = world > 1 or joined
         _GROUPS[key] = self
 
     # --- joining and leaving -------------------------------------------------------------------------
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> Coordinator:
-        """Join the group named by the environment (torchrun's variables); one rank alone needs none."""
+        """Join the group named by the environment (torchrun's variables); one rank alone needs none unless a
+        backend is named (then even one rank joins, and its collectives are real calls)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        if world > 1 and not dist.is_initialized():
+        joined = world > 1 or backend is not None
+        if joined and not dist.is_initialized():
             chosen = backend or ("nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo")
             try:
                 dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world,
@@ -62,7 +72,7 @@ class Coordinator:
                 raise RankFailure(f"rank {rank} of {world} could not join the group at "
                                   f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: {exc}",
                                   rank=rank, op="init") from exc
-        return cls(rank, world, timeout)
+        return cls(rank, world, timeout, joined=joined)
 
     @staticmethod
     def spawn(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
@@ -75,7 +85,7 @@ class Coordinator:
 
     def close(self) -> None:
         _GROUPS.pop(self.key, None)
-        if self.world > 1 and dist.is_initialized():
+        if self.joined and dist.is_initialized():
             dist.destroy_process_group()
 
     @property
@@ -86,11 +96,29 @@ class Coordinator:
     def last(self) -> bool:
         return self.rank == self.world - 1
 
+    # --- where collectives run ------------------------------------------------------------------------
+    @property
+    def on_gpu(self) -> bool:
+        """Whether collectives act on GPU tensors where they are (NCCL); else on CPU tensors (gloo)."""
+        return self.joined and dist.is_initialized() and dist.get_backend() == "nccl"
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collective buffers live."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+
+    def _wire(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself when the group's backend takes it where it is, else a contiguous copy on the group's device."""
+        return x if x.device.type == self.device.type and x.is_contiguous() else x.to(self.device).contiguous()
+
     # --- collectives ---------------------------------------------------------------------------------
-    def _wait(self, op: str, start: Callable[[], Any]) -> None:
+    def _wait(self, op: str, start: Callable[..., Any]) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            start(False)  # recorded into the graph: launched in stream order, no host wait
+            return
         t0 = time.monotonic()
         try:
-            work = start()
+            work = start(True)
             if work is not None:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:  # gloo/NCCL: a lost peer, or nobody answered within the timeout
@@ -101,37 +129,45 @@ class Coordinator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks (x is overwritten with it and returned)."""
-        if self.world > 1:
-            self._wait("all_reduce", lambda: dist.all_reduce(x, async_op=True))
+        if self.joined:
+            buf = self._wire(x)
+            self._wait("all_reduce", lambda on: dist.all_reduce(buf, async_op=on))
+            if buf is not x:
+                x.copy_(buf)
         return x
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The ranks' x joined along the last axis; rank r's x has sizes[r] entries there."""
-        if self.world == 1:
+        if not self.joined:
             return x
         widest = max(sizes)
-        padded = x if x.shape[-1] == widest else torch.nn.functional.pad(x, (0, widest - x.shape[-1]))
+        padded = self._wire(x if x.shape[-1] == widest else torch.nn.functional.pad(x, (0, widest - x.shape[-1])))
         parts = [torch.empty_like(padded) for _ in range(self.world)]
-        self._wait("all_gather", lambda: dist.all_gather(parts, padded.contiguous(), async_op=True))
-        return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
+        self._wait("all_gather", lambda on: dist.all_gather(parts, padded, async_op=on))
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1).to(x.device)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """src's x on every rank (x is overwritten with it and returned)."""
-        if self.world > 1:
-            self._wait(f"broadcast from rank {src}", lambda: dist.broadcast(x, src, async_op=True))
+        if self.joined:
+            buf = self._wire(x)
+            self._wait(f"broadcast from rank {src}", lambda on: dist.broadcast(buf, src, async_op=on))
+            if buf is not x:
+                x.copy_(buf)
         return x
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        self._wait(f"send to rank {dst}", lambda: dist.isend(x.contiguous(), dst))
+        buf = self._wire(x)
+        self._wait(f"send to rank {dst}", lambda on: dist.isend(buf, dst) if on else dist.send(buf, dst))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype)
-        self._wait(f"receive from rank {src}", lambda: dist.irecv(x, src))
+        """The tensor rank `src` sends, on this group's device (the CPU under gloo)."""
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        self._wait(f"receive from rank {src}", lambda on: dist.irecv(x, src) if on else dist.recv(x, src))
         return x
 
     def barrier(self) -> None:
-        if self.world > 1:
-            self._wait("barrier", lambda: dist.barrier(async_op=True))
+        if self.joined:
+            self._wait("barrier", lambda on: dist.barrier(async_op=True))
 
 
 __all__ = ["DEFAULT_TIMEOUT", "Coordinator", "group"]

@@ -46,7 +46,7 @@ class PipelineProgram:
         c, inner = self.placed.coordinator, self.placed.inner
         if self.hidden is not None:
             spec = self.local.inputs[self.hidden]
-            inputs = {**inputs, self.hidden: c.recv(spec.shape, torch.float32, c.rank - 1).numpy()}
+            inputs = {**inputs, self.hidden: c.recv(spec.shape, torch.float32, c.rank - 1).cpu().numpy()}
         outs = self.inner.run(state, inputs)
         if c.last:
             return outs

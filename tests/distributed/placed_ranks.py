@@ -16,14 +16,25 @@ from poot_core.distributed import Coordinator, Placement, RankFailure
 OPTIONS = {"capacity": 64, "prefill_chunk": 8}
 
 
-def logits_and_tokens(coordinator: Coordinator, jobs: list[tuple[str, str, Any, list[int], int]]) -> dict[str, Any]:
+def executor(name: str) -> Any:
+    """"cpu", or "interpreter": the Triton executor under Triton's interpreter (TRITON_INTERPRET=1 set first)."""
+    if name == "cpu":
+        return open_executor("cpu")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from poot_kernels_triton.executor import TritonExecutor
+
+    return TritonExecutor.on_interpreter()
+
+
+def logits_and_tokens(coordinator: Coordinator, jobs: list[tuple[str, str, Any, list[int], int]],
+                      on: str = "cpu") -> dict[str, Any]:
     """For each (key, checkpoint, placement, prompt, new tokens): the placed driver's logits over the prompt
-    (chunked prefill), its greedy tokens, or the text of a typed refusal."""
+    (chunked prefill), its greedy tokens, or the text of a typed refusal; `on`: the executor (see executor)."""
     out: dict[str, Any] = {}
     for key, path, placement, prompt, new in jobs:
         try:
             driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement(placement),
-                                   open_executor("cpu"), DriverOptions(**OPTIONS))
+                                   executor(on), DriverOptions(**OPTIONS))
             logits = driver.logits(prompt)
             tokens = driver.generate(GenerateRequest(prompt, max_new=new, ignore_eos=True)).tokens
             out[key] = (logits, tokens)
