@@ -56,6 +56,7 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     o_ptr,
+    limits_ptr,
     tokens,
     start,
     kv_len,
@@ -76,6 +77,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -98,6 +100,9 @@ def _prefill_kernel(
     hi = kv_len
     if CAUSAL:
         hi = tl.minimum(kv_len, start + (mb + 1) * BLOCK_M)
+    if HAS_LIMITS:  # the last key each query sees, in place of its own position
+        limit = tl.load(limits_ptr + offs_m, mask=offs_m < tokens, other=0)
+        hi = tl.minimum(kv_len, tl.max(limit, axis=0) + 1)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, start + mb * BLOCK_M - window + 1)
@@ -113,7 +118,9 @@ def _prefill_kernel(
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
         visible = kv_mask[None, :]
-        if CAUSAL:
+        if HAS_LIMITS:
+            visible = visible & (kv_pos[None, :] <= limit[:, None])
+        elif CAUSAL:
             visible = visible & (kv_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
@@ -159,6 +166,7 @@ def prefill_attention(
     window: int | None = None,
     softcap: float | None = None,
     kv_len: int | None = None,
+    limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk of one sequence's tokens against its KV cache (flash attention, online softmax).
 
@@ -168,6 +176,8 @@ def prefill_attention(
     (kv_len defaults to start + tokens). causal: key j is visible to the query at position i when j <= i;
     window: also when i - j < window (sliding window, causal only); softcap: scores become
     softcap * tanh(scores / softcap) after scaling; scale defaults to 1/sqrt(head_dim).
+    limits: int32 [tokens] on the device, the last key position each query sees instead of its own (causal
+    only; at least its own, below kv_len: group_attention's image tokens see their whole image).
     Dtypes float32/float16/bfloat16; float32 accumulation. Returns [tokens, q_heads, head_dim] in q's dtype.
     """
     check_dims("q", q, 3)
@@ -183,6 +193,10 @@ def prefill_attention(
     require(k_cache.shape[2] == head_dim, f"cache head size {k_cache.shape[2]} != q head size {head_dim}")
     require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
     kv_len = start + tokens if kv_len is None else kv_len
+    if limits is not None:
+        require(causal, "limits bound a causal attention")
+        require(limits.shape == (tokens,) and limits.dtype == torch.int32, "limits must be int32 [tokens]")
+        check_same_device(q, limits)
     require(
         0 <= start and start + tokens <= kv_len <= capacity,
         f"kv_len {kv_len} outside [start+tokens, capacity]",
@@ -201,6 +215,7 @@ def prefill_attention(
         k_ptr=k_cache,
         v_ptr=v_cache,
         o_ptr=out,
+        limits_ptr=q if limits is None else limits,
         tokens=tokens,
         start=start,
         kv_len=kv_len,
@@ -218,6 +233,7 @@ def prefill_attention(
         BLOCK_N=tile.block_n,
         BLOCK_D=block_d,
         CAUSAL=causal,
+        HAS_LIMITS=limits is not None,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         UPCAST=tuning.upcast_dot,

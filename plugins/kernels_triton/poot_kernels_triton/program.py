@@ -24,7 +24,7 @@ import poot_kernels_triton as ktr
 from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
-from . import host, moe, paged_recurrent, paged_step, recurrent
+from . import collectives, host, images, moe, paged_recurrent, paged_step, recurrent
 from .quant import embedding_rows
 from .tuning import Tuning, use_tuning
 from .weights import DeviceWeights
@@ -78,11 +78,15 @@ class Binder:
         self.rope_tables = rope_tables
         # set by a binding that reads device values on the host: such a step cannot be a CUDA graph
         self.host_syncs = False
+        # values computed from stored weights alone, once at binding (a convolution's kernel seen as a matrix)
+        self.constants: dict[str, torch.Tensor] = {}
         self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, backend)
 
     def weight(self, ref: Ref | None) -> Any:
         if ref is None:
             return None
+        if ref.name in self.constants and not isinstance(ref, WeightRef):
+            return self.constants[ref.name]
         if not isinstance(ref, WeightRef):
             raise Unsupported(Reason.OPERATION, ref.name, f"the {self.backend} backend expects a stored weight here")
         return self.w.tensors[ref.name]
@@ -151,8 +155,10 @@ class Binder:
         return self.dispatch(node)
 
     def op_embed(self, node: Node) -> StepFn:
-        table = self.weight(node.inputs[0])
         tok_name, out, shape = node.inputs[1].name, node.output, node.shape
+        if not isinstance(node.inputs[0], WeightRef) and node.inputs[0].name not in self.constants:
+            return self._gather_rows(node)
+        table = self.weight(node.inputs[0])
         scale = node.attrs.get("scale")
         if isinstance(table, PackedWeight):
 
@@ -168,6 +174,18 @@ class Binder:
             if scale is not None:
                 y = y * scale
             s.env[out] = y.reshape(shape)
+
+        return run
+
+    def _gather_rows(self, node: Node) -> StepFn:
+        """embed over a value of the step (rows of a tower's output in another order: a pixel shuffle, windows
+        of patches): the value's rows at the indices, in the value's dtype."""
+        x_name, idx_name, out, shape = node.inputs[0].name, node.inputs[1].name, node.output, node.shape
+        if node.attrs.get("scale") is not None:
+            raise Unsupported(Reason.OPERATION, "scaled embed of a value", f"the {self.backend} backend")
+
+        def run(s: Step) -> None:
+            s.env[out] = _rows(s.env[x_name]).index_select(0, s.env[idx_name].reshape(-1)).reshape(shape)
 
         return run
 
@@ -213,6 +231,16 @@ class Binder:
 
     def op_reshape(self, node: Node) -> StepFn:
         x_name, out, shape = node.inputs[0].name, node.output, node.shape
+        if isinstance(node.inputs[0], WeightRef):  # a stored weight seen in another shape: done once, here
+            w = self.weight(node.inputs[0])
+            if isinstance(w, PackedWeight):
+                raise Unsupported(Reason.QUANTIZATION, f"{w.kind} {x_name} reshaped", "dense only")
+            constant = self.constants[out] = w.reshape(shape)
+
+            def run_constant(s: Step) -> None:
+                s.env[out] = constant
+
+            return run_constant
 
         def run(s: Step) -> None:
             s.env[out] = s.env[x_name].reshape(shape)
@@ -250,6 +278,8 @@ class Binder:
         def run(s: Step) -> None:
             q, k, v, pos = s.env[q_name], s.env[k_name], s.env[v_name], s.env[pos_name]
             kc, vc = s.state[kc_key], s.state[vc_key]
+            if q.dtype != kc.dtype:  # float32 queries of a rope by sections (M-RoPE) meet the cache's dtype
+                q = q.to(kc.dtype)
             for r in range(rows):
                 ktr.write_kv(k[r], v[r], kc[r], vc[r], pos[r])
             if tokens == 1:
@@ -541,10 +571,12 @@ class Binder:
         mask falls back to torch's attention with the mask."""
         self.host_syncs = True  # reads each row's start or length on the host
         q_name, k_name, v_name, mask_name = (r.name for r in node.inputs)
-        scale, out, shape = float(node.attrs["scale"]), node.output, node.shape
+        scale, out, shape, act = float(node.attrs["scale"]), node.output, node.shape, self.act
 
         def run(s: Step) -> None:
-            q, k, v, mask = s.env[q_name], s.env[k_name], s.env[v_name], s.env[mask_name]
+            # in one dtype for the kernel (the float32 queries and keys of a rope by sections meet 16-bit values)
+            q, k, v = (s.env[n].to(act) for n in (q_name, k_name, v_name))
+            mask = s.env[mask_name]
             allowed = mask.reshape(q.shape[0], -1).bool()
             lens = allowed.sum(dim=1)
             tokens = allowed.shape[1]
@@ -571,6 +603,15 @@ class Binder:
 
         return run
 
+    # --- steps with images (poot-family-vision): images.py ---------------------------------------------
+    def op_splice(self, node: Node) -> StepFn:
+        self.host_syncs = True  # the index range is checked on the host
+        return images.bind_splice(node)
+
+    def op_group_attention(self, node: Node) -> StepFn:
+        self.host_syncs = True  # each row's start and its groups' runs are read on the host
+        return images.bind_group_attention(node)
+
     def op_layer_norm(self, node: Node) -> StepFn:
         """Plain torch layer norm in float32, output float32 as on the CPU executor: in post-norm encoders
         its output is the residual stream."""
@@ -584,6 +625,17 @@ class Binder:
             x = s.env[x_name].float()
             s.env[out] = F.layer_norm(x, (x.shape[-1],), w32, b32, eps).reshape(shape)
 
+        return run
+
+    # --- placed steps (poot_core.distributed): collectives.py ------------------------------------------
+    def op_all_reduce(self, node: Node) -> StepFn:
+        run, reads_host = collectives.bind_all_reduce(node)
+        self.host_syncs |= reads_host
+        return run
+
+    def op_all_gather(self, node: Node) -> StepFn:
+        run, reads_host = collectives.bind_all_gather(node)
+        self.host_syncs |= reads_host
         return run
 
 
@@ -602,11 +654,15 @@ class TritonProgram:
         self.device = device
         self.use_graph = use_graph
         self.input_names = sorted(graph.inputs)
-        # (input, start, end) of each input in the one flat buffer a captured step's inputs are copied through
+        # float32 inputs (pixels, image features, rope masks); the others are int64
+        self._floats = frozenset(n for n in self.input_names if graph.inputs[n].dtype == "f32")
+        # (input, start, end) of each input in the one flat int64 buffer a captured step's inputs are copied
+        # through; a float32 input lies there as its bits, two values a word
         self._spans: list[tuple[str, int, int]] = []
         for name in self.input_names:
             start = self._spans[-1][2] if self._spans else 0
-            self._spans.append((name, start, start + int(np.prod(graph.inputs[name].shape))))
+            size = int(np.prod(graph.inputs[name].shape))
+            self._spans.append((name, start, start + (-(-size // 2) if name in self._floats else size)))
         self._cuda_graph: torch.cuda.CUDAGraph | None = None
         self._ran_once = False
         self._graph_state: Any = None
@@ -628,7 +684,17 @@ class TritonProgram:
         if missing:
             raise Unsupported(Reason.SHAPE, f"inputs {missing}", "the step needs them")
         # through pinned memory, not waiting for the device (host.py): the step before may still run
-        return {n: host.to_device(inputs[n], self.device) for n in self.input_names}
+        return {n: self._float_input(inputs[n]) if n in self._floats else host.to_device(inputs[n], self.device)
+                for n in self.input_names}
+
+    def _float_input(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(self.device)
+
+    def _span(self, buffer: torch.Tensor, name: str, start: int, end: int) -> torch.Tensor:
+        """Input `name` as it lies in a flat int64 buffer of the spans, flat in its own dtype."""
+        if name not in self._floats:
+            return buffer[start:end]
+        return buffer[start:end].view(torch.float32)[: int(np.prod(self.graph.inputs[name].shape))]
 
     def _feed(self, tokens: torch.Tensor, feed: Feed) -> None:
         """tokens (flat, on the device)[at[i]] = ids[rows[i]]: ids a step before computed on the device."""
@@ -664,7 +730,9 @@ class TritonProgram:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer may still be in flight from the last step
         for name, start, end in self._spans:
-            self._host_in[start:end].copy_(torch.from_numpy(np.asarray(inputs[name], dtype=np.int64).reshape(-1)))
+            dtype = np.float32 if name in self._floats else np.int64
+            self._span(self._host_in, name, start, end).copy_(
+                torch.from_numpy(np.asarray(inputs[name], dtype=dtype).reshape(-1)))
         self._static_in.copy_(self._host_in, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
@@ -679,7 +747,7 @@ class TritonProgram:
         self._static_in = torch.zeros(total, dtype=torch.int64, device=self.device)
         self._host_in = torch.zeros(total, dtype=torch.int64).pin_memory()
         self._load_inputs(inputs, feed)
-        env = {n: self._static_in[a:b].reshape(self.graph.inputs[n].shape) for n, a, b in spans}
+        env = {n: self._span(self._static_in, n, a, b).reshape(self.graph.inputs[n].shape) for n, a, b in spans}
         # the first runs compile the kernels and settle the allocator, outside the capture; they write
         # the same K/V the replay will write again, so running them is harmless; recurrent state (which they
         # would advance) is put back as it was
