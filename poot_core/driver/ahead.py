@@ -61,7 +61,8 @@ class StepsAhead:
                 seq.unknown = len(seq.tokens)
                 seq.tokens.append(0)
                 self._slot[seq.id] = slot
-        batch = engine._schedule()
+        # none may fit while requests wait: blocks of a request this step ends are given back only when it is read
+        batch = engine.scheduler.schedule()
         launched = engine._launch(batch, self._fed(batch, ids)) if batch else None
         self.steps += launched is not None
         return ids, batch, launched

@@ -1,44 +1,25 @@
 """Steps ahead (driver/ahead.py): the next serving step launched before the ids of the one in flight are read, its
-tokens fed from those ids by the executor. On an executor that feeds steps (the CPU executor with the FedSteps
-methods, which the Triton executor has on a GPU) every request gives the tokens, text and reason it gives alone
-on the contiguous driver: greedy requests ending by end-of-sequence, stop strings and length in steps launched
-ahead, seeded sampled ones beside them (those steps wait for the ids), with a pool small enough to preempt and
-prefix-cache hits, and aborts between steps; no event comes after a request's end or for a row dropped, no
-placeholder is left between steps and no block is held at the end."""
+tokens fed from those ids by the executor. On an executor that feeds steps (helpers.fed_cpu: the CPU executor
+with the FedSteps methods, which the Triton executor has on a GPU) every request gives the tokens, text and
+reason it gives alone on the contiguous driver: greedy requests ending by end-of-sequence, stop strings and
+length in steps launched ahead, seeded sampled ones beside them (those steps wait for the ids), with a pool small
+enough to preempt and prefix-cache hits, and aborts between steps; no event comes after a request's end or for a
+row dropped, no placeholder is left between steps and no block is held at the end."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
+from helpers.fed_cpu import FedCpu
 from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Sampler
 from poot_core.cpu.executor import CpuExecutor
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
 from poot_core.executor import fed_steps
 
 CAPACITY = 96
-
-
-class FedCpu(CpuExecutor):
-    """The CPU executor with FedSteps: a step's argmax ids stay a torch tensor the engine reads only through
-    read_ids, and a fed step writes them into its token slots before it runs."""
-
-    def greedy_rows(self, output: torch.Tensor) -> np.ndarray:
-        return self.read_ids(self.greedy_ids(output))
-
-    def greedy_ids(self, output: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.argmax(self.to_numpy(output)[0], axis=-1))
-
-    def read_ids(self, ids: torch.Tensor) -> np.ndarray:
-        return ids.numpy().astype(np.int64)
-
-    def run_fed(self, program, state, inputs, ids, at, rows):
-        tokens = inputs["tokens"].copy()
-        tokens[0, at] = ids.numpy()[rows]
-        return program.run(state, {**inputs, "tokens": tokens})
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """A hypothesis state machine drives the serving driver with random submits, steps and aborts against a simple
 model of what must hold: every request submitted finishes exactly once (its tokens, or "abort" when aborted
 before it finished), no step exceeds the token budget or the running limit, the blocks held are exactly the
-blocks the running sequences list, and when everything is done the pool is whole again."""
+blocks the running sequences list, and when everything is done the pool is whole again; the same with an executor
+that feeds steps from the device (helpers.fed_cpu), so that greedy steps run ahead (driver/ahead.py), and no
+placeholder token is left between steps."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers.fed_cpu import FedCpu
 from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Sampler, open_executor
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
 
@@ -27,11 +30,12 @@ def handle(tiny_checkpoint):
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(prefix_cache=st.booleans())
-    def start(self, prefix_cache: bool) -> None:
+    @initialize(prefix_cache=st.booleans(), fed=st.booleans())
+    def start(self, prefix_cache: bool, fed: bool) -> None:
         options = DriverOptions(capacity=48, prefill_chunk=5, block_size=BLOCK, kv_blocks=BLOCKS,
                                 step_tokens=STEP_TOKENS, max_running=MAX_RUNNING, prefix_cache=prefix_cache)
-        self.engine: ServingDriver = Driver(_handle[0], open_executor("cpu"), options).serve(Layout.PAGED)
+        executor = FedCpu() if fed else open_executor("cpu")
+        self.engine: ServingDriver = Driver(_handle[0], executor, options).serve(Layout.PAGED)
         self.in_flight: dict[int, int] = {}  # id -> max_new
         self.aborted: set[int] = set()
         self.finished: dict[int, FinishedEvent] = {}
@@ -99,6 +103,8 @@ class EngineMachine(RuleBasedStateMachine):
             for block in seq.blocks:
                 held[block] = held.get(block, 0) + 1
         assert all(not seq.blocks for seq in scheduler.waiting)
+        assert all(seq.unknown < 0 for seq in scheduler.running + scheduler.waiting), "a placeholder left"
+
         assert {b: r for b, r in enumerate(pool.refs) if r} == held
         assert pool.held == len(held)
 
