@@ -85,6 +85,11 @@ class Ticket:
         self.items.put_nowait(item)
 
 
+def _deliver_all(items: list[tuple[Ticket, Item]]) -> None:
+    for ticket, item in items:
+        ticket.deliver(item)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int = 0
@@ -146,6 +151,18 @@ class EngineBridge:
         except RuntimeError:  # the loop is closed: nobody waits for this request any more
             pass
 
+    def _push_all(self, pushes: list[tuple[Ticket, Item]]) -> None:
+        """A step's items, in order: one wake-up of each event loop for all of them, not one an item (a step of
+        hundreds of sequences would otherwise wake the loop, and take the interpreter from this thread, as often)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Item]]] = {}
+        for ticket, item in pushes:
+            by_loop.setdefault(ticket.loop, []).append((ticket, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # the loop is closed: nobody waits for these requests any more
+                pass
+
     def _loop(self) -> None:
         try:
             while True:
@@ -202,6 +219,7 @@ class EngineBridge:
             ticket = self._tickets.get(seq.id)
             if ticket is not None and not ticket.admitted:
                 ticket.admitted = started
+        pushes: list[tuple[Ticket, Item]] = []
         for event in events:
             ticket = self._tickets.get(event.request_id)
             if ticket is None:
@@ -209,11 +227,12 @@ class EngineBridge:
             if isinstance(event, PromptEvent):  # comes before the request's first piece
                 ticket.prompt_steps = event.steps
             elif isinstance(event, TokenEvent):
-                self._push(ticket, Piece(event.token, event.text, now, event.logprobs))
+                pushes.append((ticket, Piece(event.token, event.text, now, event.logprobs)))
             elif isinstance(event, FinishedEvent):
                 del self._tickets[event.request_id]
                 waited = (ticket.admitted or started) - ticket.submitted
-                self._push(ticket, Done(event, waited, now))
+                pushes.append((ticket, Done(event, waited, now)))
+        self._push_all(pushes)
         self.stats = self._stats()
 
     def _stats(self) -> EngineStats:
