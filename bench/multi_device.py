@@ -130,7 +130,8 @@ def main() -> None:
         results: dict[str, Any] = {"single_1_thread": single(path, args.new, 1),
                                    "single_2_threads": single(path, args.new, 2)}
         torch.set_num_threads(1)
-        spawn = {"timeout": 900.0, "collective_timeout": 120.0, "threads": 1}
+        # gloo: these ranks run the CPU executor, also on a machine with GPUs (where NCCL would be the default)
+        spawn = {"timeout": 900.0, "collective_timeout": 120.0, "threads": 1, "backend": "gloo"}
         for name, n, placement in (("placed_1_rank", 1, "tensor"), ("tensor_2_ranks", 2, "tensor"),
                                    ("pipeline_2_ranks", 2, "pipeline")):
             results[name] = Coordinator.spawn(n, placed, path, placement, args.new, **spawn)[0]

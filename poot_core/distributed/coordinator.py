@@ -76,12 +76,15 @@ class Coordinator:
 
     @staticmethod
     def spawn(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
-              collective_timeout: float = DEFAULT_TIMEOUT, threads: int | None = None) -> list[Any]:
+              collective_timeout: float = DEFAULT_TIMEOUT, threads: int | None = None,
+              backend: str | None = None) -> list[Any]:
         """Run fn(coordinator, *args) in n new local processes; their results in rank order. A rank that raises
-        or dies, or a run past `timeout` seconds, is a RankFailure naming each rank's outcome."""
+        or dies, or a run past `timeout` seconds, is a RankFailure naming each rank's outcome. `backend`: the
+        process group's ("gloo" for ranks on the CPU executor of a machine that has GPUs; default as from_env)."""
         from poot_core.distributed.spawn import spawn
 
-        return spawn(n, fn, args, timeout=timeout, collective_timeout=collective_timeout, threads=threads)
+        return spawn(n, fn, args, timeout=timeout, collective_timeout=collective_timeout, threads=threads,
+                     backend=backend)
 
     def close(self) -> None:
         _GROUPS.pop(self.key, None)

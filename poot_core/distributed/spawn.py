@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, out: Any,
-               collective_timeout: float, threads: int | None) -> None:
+               collective_timeout: float, threads: int | None, backend: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
@@ -35,7 +35,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: 
             torch.set_num_threads(threads)
         from poot_core.distributed.coordinator import Coordinator
 
-        coordinator = Coordinator.from_env(timeout=collective_timeout)
+        coordinator = Coordinator.from_env(timeout=collective_timeout, backend=backend)
         try:
             result = fn(coordinator, *args)
         finally:
@@ -48,13 +48,13 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: 
 
 
 def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: float, collective_timeout: float,
-          threads: int | None = None) -> list[Any]:
+          threads: int | None = None, backend: str | None = None) -> list[Any]:
     if n < 1:
         raise ValueError(f"spawn needs at least one rank, got {n}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, n, port, out, collective_timeout, threads),
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, n, port, out, collective_timeout, threads, backend),
                          daemon=True, name=f"poot-rank-{r}") for r in range(n)]
     for p in procs:
         p.start()
