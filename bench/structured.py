@@ -127,9 +127,10 @@ def interleaved(run: Any, repeats: int) -> dict[str, dict[str, Any]]:
     for _, c in cases:
         run(c)  # warm-up: programs prepared (and CUDA graphs captured)
     best: dict[str, dict[str, Any]] = {}
-    for _ in range(repeats):
+    for i in range(repeats):
         for name, c in cases:
             r = run(c)
+            log(f"  round {i + 1} {name}: {r['ms_per_token']:.2f} ms/token")
             if name not in best or r["ms_per_token"] < best[name]["ms_per_token"]:
                 best[name] = r
     best["slower_per_token"] = best["json_schema"]["ms_per_token"] / best["plain"]["ms_per_token"] - 1.0
