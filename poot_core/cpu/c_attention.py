@@ -23,9 +23,11 @@ from __future__ import annotations
 import torch
 
 from poot_core.cpu.c_kernels import kernels
+from poot_core.cpu.packed_linear import DECODE_ROWS
 
-# Up to this many queries per row `attend_few` runs; more go to `attend_blocks`.
-MAX_QUERIES = 4
+# Up to this many queries per row `attend_few` runs (decode and verify steps: packed_linear.DECODE_ROWS); more go
+# to `attend_blocks`.
+MAX_QUERIES = DECODE_ROWS
 # attend_blocks keeps a tile of 4 queries' outputs and 64 value rows on the stack: head sizes up to this.
 MAX_HEAD = 256
 # Keys per tile of attend_blocks (KB in csrc/attention.c): a query's keys are read from a multiple of it on.

@@ -16,8 +16,8 @@ import torch
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight, weight_kind
 from poot_core.cpu import fusion, ops, small_ops
+from poot_core.cpu.packed_linear import DECODE_ROWS, few_rows_product
 from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
-from poot_core.cpu.packed_linear import few_rows_product
 from poot_core.errors import Reason, Unsupported
 from poot_core.executor import Capabilities, check_positions, require_ops
 from poot_core.graph import Graph, Node, Ref, StateRef, ValueRef, WeightRef, passes, sequence_runs
@@ -251,7 +251,7 @@ class _Binder:
 
             def linear16(e: Env, s: dict[str, torch.Tensor]) -> torch.Tensor:
                 xv = x(e, s)
-                if xv.numel() // xv.shape[-1] > FEW_ROWS:
+                if xv.numel() // xv.shape[-1] > DECODE_ROWS:
                     xs = e.get(key)
                     if xs is None:
                         xs = e[key] = xv.to(weight.dtype)
@@ -261,7 +261,7 @@ class _Binder:
                 return y if bias is None else y + bias
 
             return linear16
-        rows = fusion.ROWWISE_MAX if self.rowwise else FEW_ROWS
+        rows = fusion.ROWWISE_MAX if self.rowwise else DECODE_ROWS
         product = few_rows_product(weight, rows) if isinstance(weight, PackedWeight) and bias_ref is None else None
         if product is not None:  # decode: the C kernel with its plan made once
 
@@ -346,9 +346,10 @@ class _Binder:
     def op_logits(self, node: Node) -> StepFn:
         x, w = self.args(node)
         softcap, weight = node.attrs["softcap"], self.get(node.inputs[1])
-        # serving steps: a packed head's rows are decode rows too (the logits of a row do not depend on the batch)
-        product = few_rows_product(weight, fusion.ROWWISE_MAX) if self.rowwise and isinstance(weight, PackedWeight) \
-            else None
+        # a packed head's rows are decode rows up to DECODE_ROWS (a verify step) and in serving steps (the logits of
+        # a row do not depend on the batch)
+        rows = fusion.ROWWISE_MAX if self.rowwise else DECODE_ROWS
+        product = few_rows_product(weight, rows) if isinstance(weight, PackedWeight) else None
         return lambda e, s: ops.logits(x(e, s), w(e, s), softcap, product)
 
     def op_moe(self, node: Node) -> StepFn:

@@ -17,8 +17,7 @@ import torch
 
 from poot_core.checkpoint.layouts import PackedWeight, Weight
 from poot_core.cpu import ops
-from poot_core.cpu.packed_linear import FUSED_MAX_ROWS as FEW_ROWS
-from poot_core.cpu.packed_linear import few_rows_product
+from poot_core.cpu.packed_linear import DECODE_ROWS, few_rows_product
 from poot_core.graph import Node, passes
 
 HALF = (torch.bfloat16, torch.float16)
@@ -93,14 +92,14 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
     outputs = [n.output for n in nodes]
     half = isinstance(joined, torch.Tensor) and joined.dtype in HALF
     key = f"{runner.inputs[0]}:{joined.dtype}" if isinstance(joined, torch.Tensor) else ""
-    product = few_rows_product(joined, ROWWISE_MAX if rowwise else FEW_ROWS) if isinstance(joined, PackedWeight) \
+    product = few_rows_product(joined, ROWWISE_MAX if rowwise else DECODE_ROWS) if isinstance(joined, PackedWeight) \
         else None
 
     def run(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
         if half:
             xv = arg(e, s)
             xs = e.get(key)
-            if xs is None and xv.numel() // xv.shape[-1] > FEW_ROWS:  # many rows: oneDNN on x rounded once
+            if xs is None and xv.numel() // xv.shape[-1] > DECODE_ROWS:  # many rows: oneDNN on x rounded once
                 xs = e[key] = xv.to(joined.dtype)
             y = ops.linear16(xv, joined, xs)
         else:
@@ -123,7 +122,7 @@ def bind_group(nodes: list[Node], runner: Node, weights: dict[str, Weight],
 
 
 # The environment's key for how many of a serving step's first tokens are decode tokens (runs of at most
-# FEW_ROWS tokens; the scheduler puts them first): in a step of more rows their products still take the decode
+# FUSED_MAX_ROWS tokens; the scheduler puts them first): in a step of more rows their products still take the decode
 # kernel, so that they are the rows a decode step of each alone gives.
 LONE_ROWS = "paged:lone_rows"
 

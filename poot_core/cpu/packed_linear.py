@@ -45,6 +45,13 @@ TILE_BYTES = 4 << 20
 # beats dequantize-then-matmul.
 # FUSED_MAX_ROWS bounds the C kernels' per-row accumulators too.
 FUSED_MAX_ROWS = 4
+# A step of up to this many rows (a decode step, a speculative verify step, a short prompt's last chunk) computes
+# every row as a decode step does: its products take the decode kernels (dense16_gemv; few_rows_product in the
+# executor, whose rows.c meets FUSED_MAX_ROWS rows a call) and its attention attend_few (c_attention.MAX_QUERIES).
+# A verify step then gives each position the bits a decode step gives, so greedy speculation cannot part from
+# plain decoding, and it reads the weights once for all its rows: on the CPU a verify of 9 tokens costs little
+# more than one decode step.
+DECODE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -237,13 +244,13 @@ def embed_rows(table: PackedWeight, tokens: torch.Tensor) -> torch.Tensor | None
 
 
 def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """float32 x [..., k] (at most FUSED_MAX_ROWS rows) @ W^T for a bf16/f16 W [n, k] with unit column stride,
-    computed as the float32 product (weights widened exactly in registers); None where the C kernels are not
-    available or the shapes do not fit, and the caller uses torch."""
+    """float32 x [..., k] (at most DECODE_ROWS rows) @ W^T for a bf16/f16 W [n, k] with unit column stride,
+    computed as the float32 product (weights widened exactly in registers; each row's result the one it gets
+    alone); None where the C kernels are not available or the shapes do not fit, and the caller uses torch."""
     lib = kernels()
     flat = x.reshape(-1, x.shape[-1])
     if (lib is None or w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float16) or w.stride(1) != 1
-            or flat.shape[0] > FUSED_MAX_ROWS or flat.dtype != torch.float32):
+            or flat.shape[0] > DECODE_ROWS or flat.dtype != torch.float32):
         return None
     flat = flat.contiguous()
     n, k = w.shape

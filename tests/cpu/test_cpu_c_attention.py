@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from poot_core.cpu import ops
-from poot_core.cpu.c_attention import attend_blocks, attend_few
+from poot_core.cpu.c_attention import MAX_QUERIES, attend_blocks, attend_few
 from poot_core.cpu.c_kernels import features, kernels
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler: the torch route is the only route")
@@ -40,6 +40,7 @@ def reference(q, positions, k_cache, v_cache, scale, window, softcap):
     (1, 1, 9, 3, 64, 64, None, None),     # SmolLM2's decode step
     (2, 1, 4, 4, 32, 32, None, None),     # two requests at different positions, no grouping
     (1, 3, 8, 2, 16, 24, None, None),     # a few queries (speculative) and values wider than keys
+    (1, 9, 9, 3, 64, 64, None, None),     # a verify step of 8 proposed tokens
     (1, 1, 4, 1, 20, 20, 5, None),        # a sliding window, a head size that is not a multiple of 16
     (3, 2, 6, 2, 64, 64, 7, 30.0),        # window and gemma-style soft-capping together
 ])
@@ -103,8 +104,9 @@ def test_ops_attention_writes_the_cache_and_agrees_with_torch(monkeypatch):
 
 def test_prefill_and_odd_inputs_are_left_to_torch():
     k_cache = torch.zeros(1, 2, 32, 16)
-    new = torch.ones(1, 8, 2, 16)
-    assert attend_few(torch.zeros(1, 8, 4, 16), new, new, torch.arange(8)[None], k_cache, k_cache, 1.0, None,
+    n = MAX_QUERIES + 1  # a prefill chunk: more queries than a decode or verify step
+    new = torch.ones(1, n, 2, 16)
+    assert attend_few(torch.zeros(1, n, 4, 16), new, new, torch.arange(n)[None], k_cache, k_cache, 1.0, None,
                       None) is None
     assert k_cache.abs().sum() == 0  # refused before writing anything
     half = k_cache.to(torch.bfloat16)

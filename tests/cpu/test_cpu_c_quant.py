@@ -15,7 +15,15 @@ from helpers.c_builds import BUILDS, library
 from helpers.gguf_blocks import QUANTIZABLE, quantized_blocks, random_blocks
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.cpu import c_kernels
-from poot_core.cpu.packed_linear import C_TYPES, FUSED_MAX_ROWS, NATIVE_16, dense16_tiles, embed_rows, tile_rows
+from poot_core.cpu.packed_linear import (
+    C_TYPES,
+    DECODE_ROWS,
+    FUSED_MAX_ROWS,
+    NATIVE_16,
+    dense16_tiles,
+    embed_rows,
+    tile_rows,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which(c_kernels.compiler()) is None, reason="no C compiler")
 
@@ -59,7 +67,9 @@ def test_dequant_and_products_match_gguf(type_name: str, build: str, seed: int) 
 @pytest.mark.parametrize("half", [False, True])
 def test_16_bit_products_match_float64(build: str, half: bool) -> None:
     """poot_gemv16 (F16 and BF16 weights, as GGUF stores them unquantized): the float32 product of the exactly
-    widened weights, for 1 to 4 x rows and a width that leaves a tail after the vector loop."""
+    widened weights, for 1 to DECODE_ROWS + 1 x rows (more than one group of rows a call) and a width that leaves
+    a tail after the vector loop; each row's result is bit for bit the one it gets alone (a verify step's rows
+    are decode rows)."""
     rows, cols = 37, 1000
     rng = np.random.default_rng(int(half))
     wf = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -69,13 +79,21 @@ def test_16_bit_products_match_float64(build: str, half: bool) -> None:
     else:
         w16 = (wf.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation: any bit pattern will do
         wide = (w16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    for m in range(1, FUSED_MAX_ROWS + 1):
+    lib = library(build)
+
+    def product(x: np.ndarray) -> np.ndarray:
+        y = np.full((x.shape[0], rows), np.nan, np.float32)
+        lib.poot_gemv16(w16.ctypes.data, cols, rows, cols, x.ctypes.data, x.shape[0], y.ctypes.data, int(half), 2)
+        return y
+
+    for m in (*range(1, 10), DECODE_ROWS, DECODE_ROWS + 1):
         x = rng.standard_normal((m, cols)).astype(np.float32)
-        y = np.full((m, rows), np.nan, np.float32)
-        library(build).poot_gemv16(w16.ctypes.data, cols, rows, cols, x.ctypes.data, m, y.ctypes.data, int(half), 2)
+        y = product(x)
         expect = x.astype(np.float64) @ wide.T
         bound = 1e-6 * np.abs(x.astype(np.float64)) @ np.abs(wide).T
         assert (np.abs(y - expect) <= bound).all(), f"m={m}: {np.abs(y - expect).max()}"
+        alone = np.concatenate([product(np.ascontiguousarray(x[r : r + 1])) for r in range(m)])
+        np.testing.assert_array_equal(y.view(np.uint32), alone.view(np.uint32), err_msg=f"m={m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

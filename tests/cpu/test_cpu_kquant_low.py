@@ -173,8 +173,8 @@ def test_tiny_model_runs_on_the_c_kernels(c_route: CountingLib, tmp_path: Path, 
     path, reference = tiny_models.build(tmp_path, type_name)
     expect = tiny.reference_logits(reference, tiny_models.PROMPT)
     handle = ModelHandle.load(path)
-    for chunk in (3, 16):  # decode-sized steps (the few-rows kernel), then prefill panels
+    for chunk in (3, pl.DECODE_ROWS + 1):  # decode-sized steps (the few-rows kernel), then prefill panels
         c_route.calls.clear()
         driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64, prefill_chunk=chunk))
         assert tiny.rel_error(driver.logits(tiny_models.PROMPT), expect) <= 1e-3
-        assert c_route.calls["poot_gemv_kl" if chunk <= pl.FUSED_MAX_ROWS else "poot_gemm_panels"] > 0
+        assert c_route.calls["poot_gemv_kl" if chunk <= pl.DECODE_ROWS else "poot_gemm_panels"] > 0

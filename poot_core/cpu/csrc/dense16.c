@@ -9,7 +9,7 @@ static inline float wide16(uint16_t v, int half) {
     uint32_t bits = (uint32_t)v << 16; float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* Machines without AVX-512 (which keep the route below). */
+/* Machines with AVX2 and without AVX-512. */
 #if POOT_AVX2 && !defined(__AVX512F__)
 /* 8 16-bit floats at p, widened exactly. */
 static inline __attribute__((always_inline)) __m256 widen8(const uint16_t *p, const int half) {
@@ -52,38 +52,78 @@ static void rows_dot16(int half, int m, const uint16_t *row, int64_t k, const fl
 }
 #endif
 
+/* Machines with AVX-512. */
+#if defined(__AVX512F__) && defined(__F16C__)
+/* 16 16-bit floats at p, widened exactly. */
+static inline __attribute__((always_inline)) __m512 widen16(const uint16_t *p, const int half) {
+    const __m256i r = _mm256_loadu_si256((const __m256i *)p);
+    return half ? _mm512_cvtph_ps(r) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+}
+
+/* One weight row times m x rows (m <= 8, half and m constants in each instantiation): each 32 weights are
+   widened once and multiplied into every row's two accumulators. A row's sums run in the same order whatever
+   m is, so each row's result is the one it gets alone. */
+static inline __attribute__((always_inline)) void rows32(const int half, const int m, const uint16_t *row,
+                                                         int64_t k, const float *x, float *y, int64_t n) {
+    __m512 a[8][2];
+    for (int r = 0; r < m; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= k; j += 32) {
+        const __m512 w0 = widen16(row + j, half), w1 = widen16(row + j + 16, half);
+        for (int r = 0; r < m; r++) {
+            a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + j), a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + j + 16), a[r][1]);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+        for (int64_t i = j; i < k; i++) s += wide16(row[i], half) * x[r * k + i];
+        y[r * n] = s;
+    }
+}
+
+#define POOT_ROWS32(H)                                                   \
+    switch (m) {                                                         \
+    case 1: rows32(H, 1, row, k, x, y, n); return;                       \
+    case 2: rows32(H, 2, row, k, x, y, n); return;                       \
+    case 3: rows32(H, 3, row, k, x, y, n); return;                       \
+    case 4: rows32(H, 4, row, k, x, y, n); return;                       \
+    case 5: rows32(H, 5, row, k, x, y, n); return;                       \
+    case 6: rows32(H, 6, row, k, x, y, n); return;                       \
+    case 7: rows32(H, 7, row, k, x, y, n); return;                       \
+    default: rows32(H, 8, row, k, x, y, n); return;                      \
+    }
+
+static void rows_dot32(int half, int m, const uint16_t *row, int64_t k, const float *x, float *y, int64_t n) {
+    if (half) POOT_ROWS32(1)
+    POOT_ROWS32(0)
+}
+#endif
+
+/* Any number of x rows: each weight row is read from memory once and met by the rows a group at a time (8 with
+   AVX-512, 4 with AVX2) while it is in cache; a row's result does not depend on m. */
 void poot_gemv16(const uint16_t *w, int64_t row_elems, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                  int half, int threads) {
-#if POOT_AVX2 && !defined(__AVX512F__)
-    if (m <= 4) {
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t o = 0; o < n; o++) rows_dot16(half, (int)m, w + o * row_elems, k, x, y + o, n);
-        return;
-    }
-#endif
+#if defined(__AVX512F__) && defined(__F16C__)
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t r = 0; r < m; r += 8)
+            rows_dot32(half, (int)(m - r < 8 ? m - r : 8), w + o * row_elems, k, x + r * k, y + r * n + o, n);
+#elif POOT_AVX2 && !defined(__AVX512F__)
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t r = 0; r < m; r += 4)
+            rows_dot16(half, (int)(m - r < 4 ? m - r : 4), w + o * row_elems, k, x + r * k, y + r * n + o, n);
+#else
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const uint16_t *row = w + o * row_elems;
         for (int64_t r = 0; r < m; r++) {
             const float *xr = x + r * k;
             float s = 0.0f;
-            int64_t j = 0;
-#if defined(__AVX512F__) && defined(__F16C__)
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            for (; j + 32 <= k; j += 32) {
-                __m256i r0 = _mm256_loadu_si256((const __m256i *)(row + j));
-                __m256i r1 = _mm256_loadu_si256((const __m256i *)(row + j + 16));
-                __m512 w0 = half ? _mm512_cvtph_ps(r0)
-                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
-                __m512 w1 = half ? _mm512_cvtph_ps(r1)
-                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16));
-                a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + j), a0);
-                a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + j + 16), a1);
-            }
-            s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#endif
-            for (; j < k; j++) s += wide16(row[j], half) * xr[j];
+            for (int64_t j = 0; j < k; j++) s += wide16(row[j], half) * xr[j];
             y[r * n + o] = s;
         }
     }
+#endif
 }
