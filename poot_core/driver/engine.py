@@ -192,6 +192,7 @@ class ServingDriver:
         self._held: list[_Held] = []
         self.ahead = ahead.StepsAhead(self)  # the next step launched before the ids are read (ahead.py)
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
+        self._callbacks = 0  # requests in flight with a token callback (generate(on_token=...))
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
@@ -302,8 +303,7 @@ class ServingDriver:
         follows each token's text, prompt scoring reads rows at once."""
         if not self.pipeline or self.speculation is not None:
             return True
-        scores = self.prompt_scores
-        return any(r.on_token is not None or scores.scoring(rid) for rid, r in self._requests.items())
+        return self._callbacks > 0 or self.prompt_scores.open()  # counts, not a scan of every request
 
     def _step_serial(self) -> list[Event]:
         if self.speculation is not None:
@@ -621,6 +621,7 @@ class ServingDriver:
             if req.on_token:
                 req.on_token(-1, tail)
         self.scheduler.remove(req.seq)
+        self._callbacks -= req.on_token is not None
         if self.speculation is not None:
             self.speculation.end(req.seq.id)
         self.prompt_scores.end(req.seq.id)
@@ -665,6 +666,7 @@ class ServingDriver:
         req = self._requests.get(rid)
         if req is not None:
             req.on_token = on_token
+            self._callbacks += on_token is not None
         while True:
             events, self._backlog = self._backlog, []
             events += self._step()

@@ -97,6 +97,10 @@ class PromptScores:
         """Whether the request's prompt still has positions to score."""
         return request_id in self._open
 
+    def open(self) -> bool:
+        """Whether any request's prompt is still being scored."""
+        return bool(self._open)
+
     def end(self, request_id: int) -> None:
         """The request finished or was aborted."""
         self._open.pop(request_id, None)

@@ -29,6 +29,7 @@ from poot_core import (
 )
 from poot_core.graph import StateSpec, handled_ops
 
+from .host import DeviceIds
 from .program import GRAPH_TOKENS, Binder, TritonProgram
 from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
@@ -195,18 +196,19 @@ class TritonExecutor:
         return self.state_bytes(graph, weights.act_dtype)
 
     # --- steps fed from the device (poot_core.executor.FedSteps: the serving engine's steps ahead) ----------
-    def greedy_ids(self, value: torch.Tensor) -> torch.Tensor:
-        """The argmax of each sequence slot of a paged step's logits [1, slots, vocab], left on the GPU."""
-        return self._argmax(value.reshape(-1, value.shape[-1]))
+    def greedy_ids(self, value: torch.Tensor) -> DeviceIds:
+        """The argmax of each sequence slot of a paged step's logits [1, slots, vocab], computed on the GPU, and
+        its copy to the host queued right behind it (host.DeviceIds: reading it waits for this step alone)."""
+        return DeviceIds(self._argmax(value.reshape(-1, value.shape[-1])))
 
-    def read_ids(self, ids: torch.Tensor) -> np.ndarray:
-        return ids.cpu().numpy()
+    def read_ids(self, ids: DeviceIds) -> np.ndarray:
+        return ids.numpy()
 
     def run_fed(self, program: TritonProgram, state: dict[str, torch.Tensor], inputs: dict[str, np.ndarray],
-                ids: torch.Tensor, at: np.ndarray, rows: np.ndarray) -> list[Any]:
+                ids: DeviceIds, at: np.ndarray, rows: np.ndarray) -> list[Any]:
         """The step with tokens[0, at[i]] = ids[rows[i]] written on the GPU before it runs (captured steps
         included: the ids go into the replayed graph's input buffer after the host's inputs)."""
-        return program.run(state, inputs, feed=(ids, at, rows))
+        return program.run(state, inputs, feed=(ids.device, at, rows))
 
     # --- helpers ---------------------------------------------------------------------------------------
     @staticmethod
