@@ -273,6 +273,7 @@ def check_positions(graph: Graph, inputs: dict[str, Any]) -> None:
         raise RequestError(f"positions {low}..{high} fall outside the KV cache's {capacity} positions")
 
 
-__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "GreedyOnDevice", "GreedyRowsOnDevice",
-           "MaskOnDevice", "Output", "Program", "State", "StepShape", "Weights", "check_positions", "device_greedy",
-           "device_greedy_rows", "device_mask", "installed_backends", "open_executor", "require_ops"]
+__all__ = ["BackendChoice", "BackendSpec", "Capabilities", "Executor", "FedSteps", "GreedyOnDevice",
+           "GreedyRowsOnDevice", "MaskOnDevice", "Output", "Program", "State", "StepShape", "Weights",
+           "check_positions", "device_greedy", "device_greedy_rows", "device_mask", "fed_steps", "installed_backends",
+           "open_executor", "require_ops"]
