@@ -32,8 +32,8 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
 def linear16(x: torch.Tensor, w: torch.Tensor, x16: torch.Tensor | None = None) -> torch.Tensor:
     """float32 x @ W^T for a bf16/f16 W. A few rows (decode) go through the C kernel, which widens each weight
     exactly and sums in float32 at the 16-bit weights' memory cost; more rows (prefill) through float32 tiles of
-    the widened weights, or, on a CPU with a native product in W's dtype, oneDNN's 16-bit product on x rounded
-    to W's dtype (`x16`, when the caller already has it)."""
+    the widened weights; only a W those cannot take (not a 2-D matrix) through torch's 16-bit product on x
+    rounded to W's dtype (`x16`, when the caller already has it)."""
     from poot_core.cpu.packed_linear import dense16_gemv, dense16_tiles
 
     y = dense16_gemv(x, w)

@@ -38,7 +38,7 @@ import torch
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.checkpoint.quant import dequantize
 from poot_core.checkpoint.quant import gguf_blocks as gb
-from poot_core.cpu.c_kernels import cpu_flags, kernels
+from poot_core.cpu.c_kernels import kernels
 
 TILE_BYTES = 4 << 20
 # Up to this many input rows the fused kernel (which re-reads each weight row once per input row, from cache)
@@ -260,19 +260,14 @@ def dense16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return y.reshape(*x.shape[:-1], n)
 
 
-# CPU flags of a native matrix product in each 16-bit type: with one, oneDNN's 16-bit product is the prefill
-# route; without, it converts internally and is slower (3x on an AVX2 machine) than float32 tiles.
-NATIVE_16 = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
 def dense16_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """float32 x [..., k] @ W^T for a bf16/f16 W [n, k] as the float32 product: panels of W's rows widened
     exactly and float32 FMA sums in C (csrc/gemm.c), or without the C kernels tiles widened into a reused
-    float32 buffer, each multiplied by torch's float32 matmul. None where the CPU has a native product in W's
-    dtype (the caller uses oneDNN's) or W is not such a matrix."""
-    if w.dim() != 2 or w.dtype not in NATIVE_16 or x.dtype != torch.float32:
-        return None
-    if any(flag in cpu_flags() for flag in NATIVE_16[w.dtype]):
+    float32 buffer, each multiplied by torch's float32 matmul. None where W is not such a matrix.
+    Also on a CPU with a native 16-bit product (AMX, AVX-512 BF16): oneDNN's would round x and the output to
+    16 bits, and that rounding compounds over layers (a bf16 hybrid model's logits moved by 0.7 against the
+    float32 reference), so the float32 route is kept for exactness."""
+    if w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != torch.float32:
         return None
     n, k = w.shape
     flat = x.reshape(-1, k)
