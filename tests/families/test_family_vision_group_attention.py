@@ -83,12 +83,6 @@ def _refused_by(cls: type, backend: str) -> None:
     assert err.value.reason == Reason.OPERATION
 
 
-def test_triton_refuses_it_by_name():
-    from poot_kernels_triton.executor import Binder
-
-    _refused_by(Binder, "triton")
-
-
 def test_vulkan_refuses_it_by_name():
     from poot_backend_vulkan.program import VulkanProgram
 
