@@ -56,6 +56,8 @@ from poot_core.rope import inverse_frequencies, rope_attention_factor, rope_from
 
 __version__ = "0.1.0"
 
+from poot_core.distributed.coordinator import group as collective_group  # noqa: E402  (graph ops' groups)
+
 __all__ = [
     "BackendChoice", "BackendSpec", "Capabilities", "CapacityError", "CheckpointError", "Driver",
     "DriverOptions", "Executor", "Family", "GenerateRequest", "Generation", "GenerationControl", "Graph",
@@ -71,5 +73,5 @@ __all__ = [
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
     "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
-    "lazy_executor", "quiet_probe",
+    "lazy_executor", "quiet_probe", "collective_group",
 ]

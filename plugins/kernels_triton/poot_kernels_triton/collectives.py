@@ -43,9 +43,9 @@ def bind_all_gather(node: Node) -> tuple[Callable[[Step], None], bool]:
 
 
 def _group(node: Node) -> Any:
-    from poot_core.distributed.coordinator import group
+    from poot_core import collective_group
 
-    return group(node.attrs["group"])
+    return collective_group(node.attrs["group"])
 
 
 __all__ = ["bind_all_gather", "bind_all_reduce"]
