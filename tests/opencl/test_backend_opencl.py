@@ -2,9 +2,9 @@
 OpenCL device (CI: pocl, a CPU device, installed by plugins/backend_opencl/setup_pocl.sh and used because the
 tests name the backend; automatic selection skips CPU devices).
 
-Every dense and MoE family in float32 (logits within 1e-3 over prefill chunks and one-token steps, greedy tokens
-equal), bfloat16 and float16 weights, a tiny GGUF in each block type, a MoE GGUF with stacked experts, the real
-SmolLM2 GGUF, device greedy picks, and typed refusals at prepare time.
+Every dense and MoE family (DeepSeek's latent attention included) in float32 (logits within 1e-3 over prefill
+chunks and one-token steps, greedy tokens equal), bfloat16 and float16 weights, a tiny GGUF in each block type, a
+MoE GGUF with stacked experts, the real SmolLM2 GGUF, device greedy picks, and typed refusals at prepare time.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not opencl_devices(), reason="no OpenCL device o
 
 PROMPT = [int(i) for i in np.random.default_rng(7).integers(3, 250, 20)]
 DENSE = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 GGUF = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -158,11 +158,30 @@ def test_refuses_rows_above_one_and_missing_ops_by_name(tiny_checkpoint, opencl)
     check_rows_and_op_refused(opencl, tiny_checkpoint("llama", torch.float32), "group_attention")
 
 
-def test_latent_attention_family_is_refused_by_name(moe_checkpoint, opencl):
-    handle = ModelHandle.load(moe_checkpoint("deepseek_v3"))
-    with pytest.raises(Unsupported) as err:
-        opencl.prepare(trace(handle, StepShape(1, 1, 32)), opencl.upload(handle.store()))
-    assert err.value.reason is Reason.OPERATION and "mla_attention" in str(err.value)
+def test_latent_attention_with_bf16_kv_b_matches_cpu(moe_checkpoint, opencl):
+    """A bf16 kv_b: the absorbed products' inputs and results rounded to bf16 as the CPU executor multiplies
+    them (without that rounding the logits differ by about 6e-3)."""
+    handle = ModelHandle.load(moe_checkpoint("deepseek_v3", torch.bfloat16))
+    weights = opencl.upload(handle.store())
+    assert {w.fmt for n, w in weights.matrices.items() if "kv_b" in n} == {"bf16"}
+    check_parity(handle, opencl)
+
+
+def test_latent_attention_with_packed_kv_b_matches_cpu(moe_checkpoint, opencl, tmp_path):
+    """A GGUF DeepSeek V2 whose kv_b is Q8_0 blocks: the expanded form (the cached latent through kv_b each
+    step, as the CPU executor does for a packed kv_b)."""
+    handle = ModelHandle.load(moe_helpers.write_gguf(moe_checkpoint("deepseek_v2"), tmp_path, "deepseek_v2"))
+    weights = opencl.upload(handle.store())
+    assert {w.fmt for n, w in weights.matrices.items() if "kv_b" in n} == {"Q8_0"}
+    check_parity(handle, opencl)
+
+
+def test_latent_attention_decode_step_runs_its_kernels(moe_checkpoint, opencl):
+    handle = ModelHandle.load(moe_checkpoint("deepseek_v2"))
+    program = Driver(handle, opencl, DriverOptions(capacity=48)).program(StepShape(1, 1, 48))
+    names = [launch.kernel.function_name for launch in program.step.launches]
+    layers = sum(node.op == "mla_attention" for node in program.graph.nodes)
+    assert layers > 1 and all(names.count(k) == layers for k in ("mla_cache", "mla_query", "mla_out"))
 
 
 def test_refuses_heads_larger_than_the_device_holds(tiny_checkpoint, opencl, monkeypatch):

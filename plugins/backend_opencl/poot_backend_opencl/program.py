@@ -238,22 +238,9 @@ class OpenCLProgram:
                               "the opencl attention needs one head size for q, k and v")
         if heads % kv_heads:
             raise Unsupported(Reason.SHAPE, f"attention {heads} heads over {kv_heads}", "it needs whole groups")
-        group, local_bytes = self.rt.limits.group, self.rt.limits.local_bytes
-        dims = ops.attention_dims(self.rt, head_dim)  # the query and two rows of GROUP floats in local memory
-        if dims > 8 or 4 * (dims + 2) * group > local_bytes:
-            largest = min(8, local_bytes // (4 * group) - 2) * group
-            raise Unsupported(Reason.SHAPE, f"attention head size {head_dim}",
-                              f"the device's work-groups of {group} and {local_bytes} bytes of local memory "
-                              f"hold heads of at most {largest}")
-        if capacity != self.capacity:
-            raise Unsupported(Reason.SHAPE, f"attention capacity {capacity}", f"the step has {self.capacity}")
+        split_len, splits = self._attention_splits(node, head_dim, capacity, tokens)
         a = node.attrs
         scale, window, softcap = float(a["scale"]), int(a.get("window") or 0), float(a.get("softcap") or 0.0)
-        if tokens == 1:
-            split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
-        else:
-            split_len = max(DECODE_SPLIT, -(-capacity // PREFILL_SPLITS))
-        splits = -(-capacity // split_len)
         width = kv_heads * head_dim
         k_slot, v_slot = Slot(k_name), Slot(v_name)
         fused = self._rope_triples.get(self._at)
@@ -283,6 +270,24 @@ class OpenCLProgram:
         return launches + self._attend(node, q, k_slot, v_slot, positions, tokens, heads, kv_heads, head_dim,
                                        split_len, splits, scale, window, softcap)
 
+    def _attention_splits(self, node: Node, head_dim: int, capacity: int, tokens: int) -> tuple[int, int]:
+        """(keys a split, splits) of the attention kernels over `capacity` keys; a head the device's local
+        memory cannot hold, or a cache of another capacity than the step's, is refused."""
+        group, local_bytes = self.rt.limits.group, self.rt.limits.local_bytes
+        dims = ops.attention_dims(self.rt, head_dim)  # the query and two rows of GROUP floats in local memory
+        if dims > 8 or 4 * (dims + 2) * group > local_bytes:
+            largest = min(8, local_bytes // (4 * group) - 2) * group
+            raise Unsupported(Reason.SHAPE, f"{node.op} head size {head_dim}",
+                              f"the device's work-groups of {group} and {local_bytes} bytes of local memory "
+                              f"hold heads of at most {largest}")
+        if capacity != self.capacity:
+            raise Unsupported(Reason.SHAPE, f"{node.op} capacity {capacity}", f"the step has {self.capacity}")
+        if tokens == 1:
+            split_len = max(DECODE_SPLIT, -(-capacity // MAX_SPLITS))
+        else:
+            split_len = max(DECODE_SPLIT, -(-capacity // PREFILL_SPLITS))
+        return split_len, -(-capacity // split_len)
+
     def _attend(self, node: Node, q: Arr, k_slot: Slot, v_slot: Slot, positions: Arr, tokens: int, heads: int,
                 kv_heads: int, head_dim: int, split_len: int, splits: int, scale: float, window: int,
                 softcap: float) -> list[Launch]:
@@ -290,6 +295,61 @@ class OpenCLProgram:
         part = self._buffers.scratch("attention", (tokens, heads, splits, head_dim + 2))
         return ops.attention(self.rt, q, k_slot, v_slot, positions, out, part, tokens, heads, kv_heads, head_dim,
                              split_len, splits, scale, window, softcap)
+
+    def op_mla_attention(self, node: Node) -> list[Launch]:
+        """Latent attention with kv_b absorbed (cl/mla.cl): the step's normed latent rows and rotated rope keys
+        into the latent cache; each head's query into the cache's space; the attention kernels with one KV head
+        whose keys and values are the cache rows; the weighted latent through kv_b's value rows. The arithmetic
+        of the CPU executor's dense kv_b (poot_core.cpu.mla), a 16-bit kv_b's products rounded as there. A
+        packed kv_b takes the CPU's expanded form (ops.mla_expanded)."""
+        if node.input(6) is not None:
+            raise Unsupported(Reason.SHAPE, "paged mla_attention", "the opencl backend keeps contiguous caches")
+        a = node.attrs
+        style = a["style"]
+        if style not in ("neox", "interleaved"):
+            raise Unsupported(Reason.OPERATION, f"rope style {style}", "the opencl rope has neox and interleaved")
+        q, kv, positions, norm_w = (self._value(node, i) for i in range(4))
+        kv_b = self._matrix(node, 4)
+        cache_name = node.inputs[5].name
+        spec = self.graph.state.get(cache_name)
+        if spec is None:
+            raise Unsupported(Reason.OPERATION, "mla_attention", "its latent state is not declared by the graph")
+        _, _, capacity, width = spec.shape
+        _, tokens, heads, _ = q.shape
+        nope, rope_dim, v_dim = int(a["nope_dim"]), int(a["rope_dim"]), int(a["v_dim"])
+        latent = width - rope_dim
+        if (kv.shape[-1] != width or q.shape[-1] != nope + rope_dim or kv_b.cols != latent
+                or kv_b.rows != heads * (nope + v_dim) or rope_dim % 2):
+            raise Unsupported(Reason.SHAPE, f"mla_attention q {q.shape}, kv {kv.shape}, kv_b {kv_b.rows}x"
+                              f"{kv_b.cols}", f"the latent cache rows are {width} wide")
+        table, factor = self._rope_table({"theta": a["theta"], "dim": rope_dim, "scaling": a.get("scaling")})
+        neox, slot, rt = style == "neox", Slot(cache_name), self.rt
+        if kv_b.fmt not in ops.DENSE_FORMATS:  # packed blocks: the cached latent expanded each step
+            hd = max(nope + rope_dim, v_dim)
+            split_len, splits = self._attention_splits(node, hd, capacity, tokens)
+            shapes = {"rows": (capacity, latent), "expanded": (capacity, kv_b.rows),
+                      "keys": (capacity, heads, hd), "values": (capacity, heads, hd), "query": (tokens, heads, hd),
+                      "o": (tokens, heads, hd), "part": (tokens, heads, splits, hd + 2)}
+            scratch = {k: self._buffers.scratch(f"mla_{k}", shape) for k, shape in shapes.items()}
+            return [ops.mla_cache(rt, kv, norm_w, slot, positions, table, tokens, latent, rope_dim, float(a["eps"]),
+                                  neox, factor),
+                    *ops.mla_expanded(rt, q, kv_b, slot, positions, table, scratch, self._new(node), tokens, capacity,
+                                      heads, nope, rope_dim, v_dim, latent, hd, neox, factor, split_len, splits,
+                                      float(a["scale"]))]
+        split_len, splits = self._attention_splits(node, width, capacity, tokens)
+        query = self._buffers.scratch("mla_query", (tokens, heads, width))
+        weighted = self._buffers.scratch("mla_weighted", (tokens, heads, width))
+        part = self._buffers.scratch("attention", (tokens, heads, splits, width + 2))
+        out = self._new(node)
+        return [
+            ops.mla_cache(rt, kv, norm_w, slot, positions, table, tokens, latent, rope_dim, float(a["eps"]), neox,
+                          factor),
+            ops.mla_query(rt, q, kv_b, query, positions, table, tokens, heads, nope, rope_dim, v_dim, latent, neox,
+                          factor),
+            *ops.attention(rt, query, slot, slot, positions, weighted, part, tokens, heads, 1, width, split_len,
+                           splits, float(a["scale"]), 0, 0.0),
+            ops.mla_out(rt, weighted, kv_b, out, tokens, heads, nope, v_dim, latent, width),
+        ]
 
     def op_gated(self, node: Node) -> list[Launch]:
         act = node.attrs.get("act", "silu")

@@ -234,3 +234,63 @@ def moe_accumulate(rt: Runtime, weights: Arr, stride: int, col: int, y: Arr, out
                    mode: int) -> Launch:
     return Launch(rt, _k(rt, ("moe",), "moe_accumulate", EXPERTS=1), (rounded(width), tokens), None,
                   [weights, stride, col, y, out, width, tokens, mode])
+
+
+DENSE_FORMATS = ("f32", "bf16", "f16")
+_ROUND16 = {"f32": 0, "bf16": 1, "f16": 2}
+
+
+def _mla_sources(fmt: str) -> tuple[str, ...]:
+    return ("common", f"fmt_{fmt}", "mla")
+
+
+def mla_cache(rt: Runtime, kv: Arr, norm_w: Arr, cache: Buffer, positions: Arr, inv_freq: Arr, tokens: int,
+              latent: int, rope_dim: int, eps: float, neox: bool, factor: float) -> Launch:
+    """The step's latent rows (normed) and rope keys (rotated) into the latent cache (cl/mla.cl mla_cache)."""
+    group = rt.limits.group
+    return Launch(rt, _k(rt, _mla_sources("f32"), "mla_cache", ROUND16=0), (tokens * group,), (group,),
+                  [kv, norm_w, cache, positions, inv_freq, latent, rope_dim, eps, neox, factor])
+
+
+def mla_query(rt: Runtime, q: Arr, kv_b: DeviceWeight, out: Arr, positions: Arr, inv_freq: Arr, tokens: int,
+              heads: int, nope: int, rope_dim: int, v_dim: int, latent: int, neox: bool, factor: float) -> Launch:
+    """Each head's query in the latent cache's space (cl/mla.cl mla_query); kv_b dense (DENSE_FORMATS)."""
+    kernel = _k(rt, _mla_sources(kv_b.fmt), "mla_query", ROUND16=_ROUND16[kv_b.fmt])
+    return Launch(rt, kernel, (rounded(latent + rope_dim), heads, tokens), None,
+                  [q, kv_b, kv_b.row_bytes, kv_b.row0, out, positions, inv_freq, heads, nope, rope_dim, v_dim,
+                   latent, neox, factor])
+
+
+def mla_out(rt: Runtime, o: Arr, kv_b: DeviceWeight, out: Arr, tokens: int, heads: int, nope: int, v_dim: int,
+            latent: int, width: int) -> Launch:
+    """The attention-weighted latent through kv_b's value rows (cl/mla.cl mla_out)."""
+    kernel = _k(rt, _mla_sources(kv_b.fmt), "mla_out", ROUND16=_ROUND16[kv_b.fmt])
+    return Launch(rt, kernel, (rounded(v_dim), heads, tokens), None,
+                  [o, kv_b, kv_b.row_bytes, kv_b.row0, out, heads, nope, v_dim, latent, width])
+
+
+def _mla_launch(rt: Runtime, name: str, size: tuple[int, int, int], args: list[Any]) -> Launch:
+    return Launch(rt, _k(rt, _mla_sources("f32"), name, ROUND16=0), (rounded(size[0]), size[1], size[2]), None, args)
+
+
+def mla_expanded(rt: Runtime, q: Arr, kv_b: DeviceWeight, cache: Buffer, positions: Arr, inv_freq: Arr,
+                 scratch: dict[str, Arr], out: Arr, tokens: int, capacity: int, heads: int, nope: int,
+                 rope_dim: int, v_dim: int, latent: int, hd: int, neox: bool, factor: float, split_len: int,
+                 splits: int, scale: float) -> list[Launch]:
+    """Latent attention through a kv_b of any format (cl/mla.cl, the expanded form): every cache row's latent
+    through kv_b (cl/linear.cl), keys and values per head padded to `hd`, the attention kernels, the first v_dim
+    of each head. `scratch`: rows [capacity, latent], expanded [capacity, heads * (nope + v_dim)], keys and
+    values [capacity, heads, hd], query and o [tokens, heads, hd], part (the attention's)."""
+    s = scratch
+    width = latent + rope_dim
+    return [
+        _mla_launch(rt, "mla_latent_rows", (latent, capacity, 1), [cache, s["rows"], latent, width]),
+        linear(rt, kv_b, s["rows"], s["expanded"], capacity),
+        _mla_launch(rt, "mla_expanded_kv", (hd, heads, capacity),
+                    [s["expanded"], cache, s["keys"], s["values"], heads, nope, rope_dim, v_dim, latent, hd]),
+        _mla_launch(rt, "mla_expanded_query", (hd, heads, tokens),
+                    [q, s["query"], positions, inv_freq, heads, nope, rope_dim, hd, neox, factor]),
+        *attention(rt, s["query"], s["keys"], s["values"], positions, s["o"], s["part"], tokens, heads, heads, hd,
+                   split_len, splits, scale, 0, 0.0),
+        _mla_launch(rt, "mla_narrow", (v_dim, heads, tokens), [s["o"], out, heads, v_dim, hd]),
+    ]
