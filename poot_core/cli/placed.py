@@ -8,6 +8,7 @@ rank: it joins the group from the environment. Each rank gets the CPU's cores sh
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 from typing import Any
@@ -73,6 +74,9 @@ def launch(args: argparse.Namespace) -> int | None:
         if world != n:
             raise RequestError(f"torchrun started {world} ranks and the command asks for {n}")
         args.coordinator = Coordinator.from_env(timeout=args.rank_timeout)
+        # leave the group before the interpreter ends: a gloo group still open at exit can abort the process
+        # ("terminate called without an active exception") after a run that succeeded
+        atexit.register(args.coordinator.close)
         _quiet_unless_first(args.coordinator.rank)
         return None
     codes = Coordinator.spawn(n, _rank, args, timeout=RUN_TIMEOUT, collective_timeout=args.rank_timeout)
