@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--mtp", type=int, default=None, metavar="N",
                       help="the model's multi-token-prediction (nextn) layers propose N tokens")
     spec.add_argument("--draft-max", type=int, default=None, metavar="N",
-                      help="most tokens proposed per verify step (default: 8)")
+                      help="most tokens proposed per verify step (default: 8; 15 with --lookup)")
     spec.add_argument("--draft-min", type=int, default=None, metavar="N",
                       help="fewest proposed tokens worth a verify step (default: 1)")
     structured = p.add_argument_group("structured output (the reply follows a grammar or a JSON schema)")

@@ -43,12 +43,15 @@ class Off:
 class PromptLookup:
     """Propose the tokens that followed the latest earlier occurrence of the last n tokens (n from max_ngram
     down to min_ngram) in the prompt and the output so far (repeated when the match ends fewer than k
-    tokens before the end). k: the most tokens proposed at once; min_k: a
-    proposal shorter than this is dropped and the step is a plain decode step."""
+    tokens before the end). k: the most tokens proposed at once (15: a verify step of 16 tokens, the widest the
+    CPU executor computes as decode rows, packed_linear.DECODE_ROWS; a copied passage is often kept 10-16 tokens
+    at a time); how many are proposed follows the measured costs and how often proposals from a match of that
+    length were kept (Speculation). min_k: a proposal shorter than this is dropped and the step is a plain
+    decode step."""
 
     max_ngram: int = 3
     min_ngram: int = 1
-    k: int = 8
+    k: int = 15
     min_k: int = 1
 
     def __post_init__(self) -> None:
@@ -164,6 +167,11 @@ class Proposer(Protocol):
     def begin(self, prompt: list[int]) -> None:
         """A new request starts with `prompt` (already in the target's cache)."""
 
+    def grade(self, history: list[int]) -> int:
+        """What kind of proposal would follow `history`, before it is made: proposals of one grade share an
+        estimate of how often their tokens are kept (prompt lookup: the length of the n-gram matched, 0 for
+        none; a model proposes at one grade, 0)."""
+
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
         """At most k tokens to follow `history` (prompt and output so far)."""
 
@@ -191,16 +199,27 @@ class LookupProposer:
                 self._ends[tuple(history[end - n : end])] = end
         self._seen = list(history)
 
-    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+    def _match(self, history: list[int]) -> tuple[int, int]:
+        """(n, end): the longest n-gram ending the history that occurred before, and where its latest earlier
+        occurrence ends; (0, 0) for none."""
         self._index(history)
         for n in range(min(self.policy.max_ngram, len(history)), self.policy.min_ngram - 1, -1):
             end = self._ends.get(tuple(history[-n:]))
             if end is not None:
-                # What followed the match; a match closer to the end than k repeats that stretch, as a
-                # periodic text (a run of one token, a repeated line) would go on.
-                period = len(history) - end
-                return Proposal([history[end + j % period] for j in range(k)])
-        return Proposal([])
+                return n, end
+        return 0, 0
+
+    def grade(self, history: list[int]) -> int:
+        return self._match(history)[0]
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
+        n, end = self._match(history)
+        if not n:
+            return Proposal([])
+        # What followed the match; a match closer to the end than k repeats that stretch, as a periodic text (a
+        # run of one token, a repeated line) would go on.
+        period = len(history) - end
+        return Proposal([history[end + j % period] for j in range(k)])
 
 
 class DraftModelProposer:
@@ -221,6 +240,9 @@ class DraftModelProposer:
     def begin(self, prompt: list[int]) -> None:
         self._prompt_len = len(prompt)  # the presence and frequency penalties count only what follows it
         self.driver.prefill_cache(prompt)
+
+    def grade(self, history: list[int]) -> int:
+        return 0
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Proposal:
         d = self.driver
@@ -281,6 +303,9 @@ class MtpProposer:
     def begin(self, prompt: list[int]) -> None:
         self._valid = 0  # the target ran the whole prompt (it reuses no cached prefix under MTP)
         self._hidden = {i: h for i, h in self._hidden.items() if i < len(prompt)}
+
+    def grade(self, history: list[int]) -> int:
+        return 0
 
     def _run(self, tokens: list[int], start: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Run the layer over `tokens` at positions from `start`; the last position's logits and hidden."""
@@ -353,6 +378,14 @@ def accept(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: li
     return out
 
 
+def _few_widths(width: int) -> bool:
+    """Whether a verify step of this width is one of the few the length choice takes (2, 3, 4, 6, 8, 12, 16, ...:
+    powers of two and three times them), besides those of min_k and k: each width is a program of its own, and
+    a few keep the driver's bounded cache of prepared programs from evicting and re-tracing them."""
+    base = width // 3 if width % 3 == 0 else width
+    return base & (base - 1) == 0
+
+
 def _draw_residual(sampler: Sampler, p_ids: np.ndarray, p: np.ndarray, q_ids: np.ndarray,
                    q: np.ndarray) -> int:
     """A draw from max(0, p - q), normalized: where the target puts more mass than the proposer did."""
@@ -376,13 +409,16 @@ class Speculation:
     With a the estimated chance that the target keeps a proposed token (decayed counts of kept and rejected
     tokens, a geometric model), a proposal of k tokens yields 1 + a + ... + a^k tokens for k times the measured
     cost of proposing a token plus the measured cost of a target step of width k + 1; the k of most tokens per
-    second wins, k = 0 being a plain decode step. The length grows one past the widest step measured at a
-    time, so the costs are learnt from short proposals up, and a step not measured yet is taken to cost what
-    the dearest narrower one did (a wider step never costs less). Where widths up to some size cost about a
-    decode step and wider ones several (the CPU executor: 4), the length settles there; where proposals are
-    rarely kept, or proposing costs about what it saves (a draft model as slow as the target), at none (a
-    probe of one token every few decode steps keeps the estimate current). Lengths stay within
-    [min_k, k]: min_k = k fixes them.
+    second wins, k = 0 being a plain decode step. The estimate is kept per grade of proposal (Proposer.grade):
+    prompt lookup's proposals from a 3-gram match are kept far more often than from a 1-gram one (on SmolLM2
+    rewriting a code file, runs of 10-16 tokens against mostly none), so a long match gets a long proposal and a
+    short one a short proposal or none. The length grows up to twice the widest step measured at a time, so the
+    costs are learnt from short proposals up, and a step not measured yet is taken to cost what the dearest
+    narrower one did (a wider step never costs less). Only a few widths are taken (2, 3, 4, 6, 8, 12, 16, and
+    those of min_k and k), so that their programs stay prepared. Where widths up to some size cost about a
+    decode step and wider ones several, the length settles there; where proposals are rarely kept, or proposing costs
+    about what it saves (a draft model as slow as the target), at none (a probe of one token every few decode
+    steps keeps the estimate current). Lengths stay within [min_k, k]: min_k = k fixes them.
 
     Sampled requests keep their lengths a function of the tokens alone, so that a seed gives the same tokens
     on every run (the number of random draws follows the proposals): Hugging Face's heuristic schedule, 2
@@ -393,8 +429,8 @@ class Speculation:
     k: int
     min_k: int
     scheduled: bool = False
-    kept_tokens: float = 3.0  # decayed counts; the prior a = 0.75
-    rejected: float = 1.0
+    kept_tokens: dict[int, float] = field(default_factory=dict)  # grade -> decayed counts (from PRIOR)
+    rejected: dict[int, float] = field(default_factory=dict)
     steps: dict[int, float] = field(default_factory=dict)  # target step width -> seconds (moving average)
     per_proposed: float | None = None  # seconds of proposing one token (moving average)
     idle: int = 0  # decode steps since the last proposal
@@ -402,9 +438,11 @@ class Speculation:
     _width: int = 0  # the width of the step under way
     _proposing: float = 0.0  # the seconds of its proposal
     _since: float | None = None
+    _grade: int = 0  # the grade of the proposal under way
 
     DECAY = 0.9
     PROBE_EVERY = 8
+    PRIOR = (3.0, 1.0)  # kept and rejected counts of a grade not seen yet: a = 0.75
 
     def begin(self, prompt: list[int]) -> None:
         self._since, self._width, self.schedule = None, 0, self.k
@@ -416,18 +454,25 @@ class Speculation:
             return known
         return max((c for w, c in self.steps.items() if w < width), default=min(self.steps.values()))
 
-    def length(self) -> int:
+    def acceptance(self, grade: int) -> float:
+        """The estimated chance that a proposed token of this grade is kept."""
+        kept, rejected = self.kept_tokens.get(grade, self.PRIOR[0]), self.rejected.get(grade, self.PRIOR[1])
+        return kept / (kept + rejected)
+
+    def length(self, grade: int = 0) -> int:
         """The proposal length of most expected tokens per second (0: a plain decode step)."""
         widest = max(self.steps, default=1)
-        limit = min(self.k, max(self.min_k, widest))  # one past the widest step measured
+        limit = min(self.k, max(self.min_k, 2 * widest - 1))  # steps up to twice the widest measured
         if not self.steps or self.per_proposed is None:
             return limit
-        a = self.kept_tokens / (self.kept_tokens + self.rejected)
+        a = self.acceptance(grade)
         best, best_rate, expected = 0, 1.0 / self._step_cost(1), 1.0
         for k in range(1, limit + 1):
             expected += a**k
+            if k < self.min_k or not (k in (self.min_k, self.k) or _few_widths(k + 1)):
+                continue
             rate = expected / (k * self.per_proposed + self._step_cost(k + 1))
-            if k >= self.min_k and rate > best_rate:
+            if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
@@ -442,7 +487,8 @@ class Speculation:
 
     def propose(self, history: list[int], room: int, sampler: Sampler) -> Proposal | None:
         """A proposal of at most `room` tokens, or None where a plain decode step is better."""
-        k = self.length() if sampler.temperature == 0.0 and not self.scheduled else self.schedule
+        grade = self._grade = self.proposer.grade(history)
+        k = self.length(grade) if sampler.temperature == 0.0 and not self.scheduled else self.schedule
         if k == 0 and self.idle + 1 >= self.PROBE_EVERY:
             k = 1
         k = min(max(k, self.min_k) if k else 0, room)
@@ -462,6 +508,7 @@ class Speculation:
 
     def kept(self, proposed: int, accepted: int) -> None:
         self._width = proposed + 1
-        self.kept_tokens = self.DECAY * self.kept_tokens + accepted
-        self.rejected = self.DECAY * self.rejected + (accepted < proposed)
+        g = self._grade
+        self.kept_tokens[g] = self.DECAY * self.kept_tokens.get(g, self.PRIOR[0]) + accepted
+        self.rejected[g] = self.DECAY * self.rejected.get(g, self.PRIOR[1]) + (accepted < proposed)
         self.schedule = min(self.k, self.schedule + 2) if accepted == proposed else max(1, accepted + 1)

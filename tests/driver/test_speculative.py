@@ -279,16 +279,43 @@ def test_the_proposal_length_follows_measured_cost_and_acceptance():
     spec = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=8, min_k=1)
     assert spec.length() == 1  # nothing measured: it starts short
     spec.steps, spec.per_proposed = {1: 1.0, 2: 1.1}, 0.0
-    assert spec.length() == 2  # and grows one past the widest step measured
-    # The CPU's shape: widths up to 4 cost a little more than decode, wider ones about 3 decode steps.
+    assert spec.length() == 3  # and grows to steps twice as wide as the widest measured
+    # Widths up to 4 cost a little more than decode, wider ones about 3 decode steps.
     spec.steps = {1: 1.0, 2: 1.2, 3: 1.25, 4: 1.3} | {w: 3.0 for w in range(5, 10)}
-    spec.kept_tokens, spec.rejected = 9.0, 1.0  # 90% kept
+    spec.kept_tokens, spec.rejected = {0: 9.0}, {0: 1.0}  # 90% kept
     assert spec.length() == 3
     spec.per_proposed = 1.0  # a draft model as slow as the target: not worth it even when all is kept
-    spec.kept_tokens, spec.rejected = 10.0, 0.0
+    spec.kept_tokens, spec.rejected = {0: 10.0}, {0: 0.0}
     assert spec.length() == 0
     spec.per_proposed = 0.0
-    spec.kept_tokens, spec.rejected = 0.1, 9.9  # 1% kept: plain decode steps
+    spec.kept_tokens, spec.rejected = {0: 0.1}, {0: 9.9}  # 1% kept: plain decode steps
     assert spec.length() == 0
     fixed = Speculation(LookupProposer(DraftPolicy.PromptLookup()), k=4, min_k=4)
     assert fixed.length() == 4  # min_k = k: always k
+
+
+def test_prompt_lookup_lengths_follow_how_often_each_match_length_was_kept():
+    """Acceptance is estimated per grade (the n-gram length matched): where 3-gram matches were kept and 1-gram
+    ones rejected, a 3-gram match gets the longest proposal and a 1-gram match none, in the driver's own loop."""
+    from poot_core.driver.speculation import LookupProposer, Speculation
+
+    proposer = LookupProposer(DraftPolicy.PromptLookup())
+    history = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert proposer.grade(history) == 3 and proposer.grade([*history, 3]) == 0 and proposer.grade([*history, 1]) == 1
+    spec = Speculation(proposer, k=15, min_k=1)
+    spec.steps, spec.per_proposed = {w: 1.0 + 0.07 * (w - 1) for w in range(1, 17)}, 0.0  # the CPU's verify steps
+    spec.kept_tokens, spec.rejected = {3: 9.5, 1: 0.2}, {3: 0.5, 1: 9.8}
+    assert (spec.length(3), spec.length(1)) == (15, 0)
+    assert 0 < spec.length(2) < 15  # not seen yet: the prior a = 0.75
+    proposal = spec.propose(history, 100, Sampler.greedy())
+    assert proposal is not None and proposal.tokens == [8, 9, 1, 2, 5, 6, 7] * 2 + [8]
+    spec.kept(15, 2)  # counted against 3-gram matches only
+    assert spec.acceptance(3) == pytest.approx((0.9 * 9.5 + 2) / (0.9 * 9.5 + 2 + 0.9 * 0.5 + 1))
+    assert spec.acceptance(1) == pytest.approx(0.02)
+    assert spec.propose([*history, 1], 100, Sampler.greedy()) is None  # a 1-gram match: a plain decode step
+    # Whatever the estimate, the lengths are those of a few verify widths (2, 3, 4, 6, 8, 12, 16): few programs.
+    lengths = set()
+    for kept in np.linspace(0.5, 40.0, 60):
+        spec.kept_tokens[2] = kept
+        lengths.add(spec.length(2))
+    assert lengths <= {0, 1, 2, 3, 5, 7, 11, 15} and len(lengths) >= 4
