@@ -42,6 +42,7 @@ from poot_core.executor import (
     Program,
     RunDefaults,
     check_positions,
+    device_greedy,
     installed_backends,
     open_executor,
     require_ops,
@@ -73,5 +74,5 @@ __all__ = [
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
     "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
-    "lazy_executor", "quiet_probe", "collective_group",
+    "lazy_executor", "quiet_probe", "collective_group", "device_greedy",
 ]
