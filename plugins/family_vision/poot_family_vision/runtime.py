@@ -1,5 +1,6 @@
 """Running a vision-language checkpoint: the vision step once per request's images, then the text model's
-prefill with the features spliced in at the image tokens, then plain decode steps over the same KV state.
+prefill with the features spliced in at the image tokens, then plain decode steps over the same KV state
+(one state and one decode step program kept for all requests).
 
 This runs on an executor directly (one sequence, contiguous KV; the prompt is prefilled in one step, so an
 image's tokens, which attend to each other both ways in Gemma 3, are never split); the driver's text-only paths
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, open_executor
+from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, device_greedy, open_executor
 from poot_family_vision.config import VisionLanguageParams
 from poot_family_vision.gemma3 import image_groups
 from poot_family_vision.kinds import images_of
@@ -44,6 +45,11 @@ class VisionLanguageModel:
         self.capacity = min(capacity, self.config.max_positions)
         self.weights = self.executor.upload(store)
         self._shapes = store.shapes()
+        # one KV state and one decode step for every request: a decode step replayed as a captured graph (the
+        # Triton executor) stays captured across requests; a prefill writes from position 0 and no step reads
+        # a position its request has not written
+        self._state: Any = None
+        self._step: Any = None
         if mmproj is None:
             self.kind = images_of(handle, self.params, pan_and_scan)
 
@@ -100,7 +106,9 @@ class VisionLanguageModel:
         shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
         mrope = self.kind.mrope
         prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope))
-        state = self.executor.allocate_state(graph)
+        if self._state is None:
+            self._state = self.executor.allocate_state(graph)
+        state = self._state
         # an image token outside the vocabulary embeds as 0 before its features replace it (as transformers does)
         ids = [0 if t == image_id and t >= self.config.vocab_size else t for t in tokens]
         inputs = {"tokens": np.asarray([ids], np.int64), "positions": np.arange(len(tokens))[None, :]}
@@ -146,11 +154,15 @@ class VisionLanguageModel:
         features, layouts = self._features(images, pixels, layouts)
         out, state, delta = self._prefill(tokens, features, False, layouts)
         mrope = self.kind.mrope
-        step, _ = self._program(StepShape(1, 1, self.capacity), lambda t: trace_text(self.config, t, mrope=mrope))
+        if self._step is None:
+            self._step, _ = self._program(StepShape(1, 1, self.capacity),
+                                          lambda t: trace_text(self.config, t, mrope=mrope))
+        step = self._step
         new: list[int] = []
         position = len(tokens)
+        pick = device_greedy(self.executor) or (lambda o: int(np.argmax(self.executor.to_numpy(o)[0, -1])))
         while len(new) < max_new and position < self.capacity:
-            token = int(np.argmax(self.executor.to_numpy(out)[0, -1]))
+            token = pick(out)  # on the device where the executor can: one id crosses, not the logits
             new.append(token)
             if on_token is not None:
                 on_token(token)
