@@ -252,7 +252,7 @@ def main() -> None:
     result = cpu_main(args) if args.backend == "cpu" else cuda_main(args)
     load = os.getloadavg()
     result["load_average"] = load
-    result["mask_workers"] = constraints._pool()._max_workers
+    result["mask_threads"] = constraints.mask_threads()
     log(f"one-time: tokenizer trie {1e3 * result['tokenizer_trie_seconds']:.0f} ms (once per vocabulary), schema "
         f"compile + first mask {1e3 * result['schema_compile_seconds_median']:.1f} ms (median of 5)")
     log(f"constraint per token, alone: {result['constraint_us_per_token_mean']:.0f} us mean; medians: mask "

@@ -1,7 +1,8 @@
 """Steps ahead: the serving engine launches the next step before it reads the ids of the step in flight.
 
 When every row that picks a token in the step in flight takes the device's argmax (a greedy sampler, no
-constraint, log-probabilities or kept logits), the model has no recurrent state and the executor feeds steps
+log-probabilities or kept logits; a constraint only where its mask is applied on the device: the argmax is then
+the masked logits'), the model has no recurrent state and the executor feeds steps
 from the device (executor.FedSteps), the engine does not wait for that step's ids to schedule the next one:
 each picking sequence gets a placeholder token (Sequence.unknown), the next step is scheduled and its inputs
 built as usual, and the executor writes the argmax ids into the placeholders' token slots on the device before
@@ -26,7 +27,7 @@ import numpy as np
 from poot_core.executor import FedSteps, Output, fed_steps
 
 if TYPE_CHECKING:
-    from poot_core.driver.engine import ServingDriver, _Launched, _Request
+    from poot_core.driver.engine import Event, ServingDriver, _Launched, _Request
     from poot_core.driver.scheduler import Sequence
 
 
@@ -45,15 +46,26 @@ class StepsAhead:
             return False
         if done.rows is not None:  # prompt scoring (the serial order; kept for safety)
             return False
-        return all(req.constraint is None and req.logprobs is None and req.request.sampler.is_greedy
-                   for _, req in done.picks)
+        masks_on_device = engine.driver.masks.device is not None
+        return all((req.constraint is None or masks_on_device) and req.logprobs is None
+                   and req.request.sampler.is_greedy for _, req in done.picks)
 
-    def launch(self, done: _Launched) -> tuple[Any, list[tuple[Sequence, int]], Any]:
-        """Placeholders for `done`'s picks, then the next step scheduled and launched, fed from `done`'s ids on the
-        device: (those ids, not read; the batch; what engine._launch returned, None for no batch)."""
+    def launch(self, done: _Launched) -> tuple[list[Event], Any, list[tuple[Sequence, int]], Any]:
+        """`done`'s constrained rows masked on the device (their masks were computed while it ran), placeholders
+        for its picks, then the next step scheduled and launched, fed from `done`'s ids on the device: (the events
+        of requests whose constraint failed; those ids, not read; the batch; what engine._launch returned, None
+        for no batch)."""
         engine = self.engine
         assert self.executor is not None
-        ids = self.executor.greedy_ids(done.out) if done.picks else None
+        events: list[Event] = []
+        out = done.out
+        if any(req.constraint is not None for _, req in done.picks):
+            picks = list(done.picks)  # _masked drops a request whose constraint failed, which then ends
+            masked = engine._masked(picks, out, events)
+            done.picks = picks
+            if masked is not None:
+                out = masked.output
+        ids = self.executor.greedy_ids(out) if done.picks else None
         for slot, req in done.picks:
             seq = req.seq
             # a request ended while the step ran is gone; one whose limit this token reaches is not scheduled again
@@ -65,7 +77,7 @@ class StepsAhead:
         batch = engine.scheduler.schedule()
         launched = engine._launch(batch, self._fed(batch, ids)) if batch else None
         self.steps += launched is not None
-        return ids, batch, launched
+        return events, ids, batch, launched
 
     def _fed(self, batch: list[tuple[Sequence, int]], ids: Any) -> tuple[Any, np.ndarray, np.ndarray] | None:
         """The step's token slots whose ids come from the step in flight, and those ids' slots there."""

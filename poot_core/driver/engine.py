@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from poot_core.driver import ahead
+from poot_core.driver import ahead, constraints
 from poot_core.driver.constraints import Matcher
 from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
@@ -190,6 +190,7 @@ class ServingDriver:
         self.pipeline = True  # False: every step in the old order (read, detokenize, then schedule the next)
         self._inflight: _Launched | None = None
         self._held: list[_Held] = []
+        self._next_masks: list[Matcher] = []  # constraints _emit advanced, whose next masks _emit_all starts
         self.ahead = ahead.StepsAhead(self)  # the next step launched before the ids are read (ahead.py)
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
         self._callbacks = 0  # requests in flight with a token callback (generate(on_token=...))
@@ -336,8 +337,7 @@ class ServingDriver:
         launched = self._launch(batch) if batch else None
         if isinstance(launched, _Launched):
             self._inflight = launched
-        for h in held:
-            events.extend(self._emit(h))
+        events.extend(self._emit_all(held))
         if isinstance(launched, PootError):  # after the text, so that each request's generation is whole
             events.extend(self._failed(batch, launched))
         return events
@@ -345,14 +345,12 @@ class ServingDriver:
     def _step_ahead(self, done: _Launched) -> list[Event]:
         """Launch the next step fed from `done`'s ids on the device, then read and settle them, then make their
         text and events while the next step runs (ahead.py)."""
-        ids, batch, launched = self.ahead.launch(done)
+        events, ids, batch, launched = self.ahead.launch(done)
         if isinstance(launched, _Launched):
             self._inflight = launched
         self.ahead.settle(done, ids)
         held, self._held = self._held, []
-        events: list[Event] = []
-        for h in held:
-            events.extend(self._emit(h))
+        events.extend(self._emit_all(held))
         if isinstance(launched, PootError):  # after the text, so that each request's generation is whole
             events.extend(self._failed(batch, launched))
         return events
@@ -390,10 +388,9 @@ class ServingDriver:
         inputs = self._inputs(shape, batch)
         if rows is not None:
             self.prompt_scores.point(rows, inputs["logit_index"])
-        for seq, count in batch:  # the masks of the rows this step samples are built while it runs
-            matcher = self._requests[seq.id].constraint
-            if matcher is not None and seq.computed + count == len(seq.tokens):
-                matcher.prefetch()
+        constraints.prefetch(  # the masks of the rows this step samples are built while it runs
+            matcher for seq, count in batch
+            if (matcher := self._requests[seq.id].constraint) is not None and seq.computed + count == len(seq.tokens))
         try:
             program = self.program(shape)
             out = (program.run(self._state, inputs) if fed is None
@@ -551,10 +548,20 @@ class ServingDriver:
         self._held.append(_Held(req, token, logprobs, self._take(req, token)))
         return []
 
+    def _emit_all(self, held: list[_Held]) -> list[Event]:
+        """The held tokens' text and events, then the next masks of the constraints they advanced computed in one
+        batch while the step just launched runs."""
+        events: list[Event] = []
+        for h in held:
+            events.extend(self._emit(h))
+        constraints.prefetch(self._next_masks)
+        self._next_masks.clear()
+        return events
+
     def _emit(self, held: _Held) -> list[Event]:
         """A held token's text and events, in the order _accept gives them (stop, then the constraint, then
         length). A constraint takes the token here, while the next step runs (that step's input is the token
-        alone), and starts computing its next mask; a request it completes has one more row in the running step,
+        alone), and its next mask is queued for _emit_all; a request it completes has one more row in the running step,
         dropped when read."""
         req = held.req
         if held.end == "eos":
@@ -570,7 +577,7 @@ class ServingDriver:
             except PootError as exc:  # the token's text still goes out before the error
                 error = exc
             if not complete and error is None and held.end is None:
-                req.constraint.prefetch()  # the mask of the running step's row
+                self._next_masks.append(req.constraint)  # the mask of the running step's row (_emit_all)
         events, hit = self._text(req, held.token, held.logprobs)
         if hit:  # the step now running has one more row of this request: dropped when read
             return events + self._finish(req, "stop")

@@ -477,6 +477,76 @@ def test_a_failing_constraint_ends_only_its_own_request(tiny, monkeypatch, how):
     assert engine.in_flight == 0 and engine.pool.held == 0
 
 
+# --- steps ahead: greedy constrained rows masked on the device, the next step fed from the masked argmax ------
+def _ahead_requests(tiny: ModelHandle) -> list[GenerateRequest]:
+    out = []
+    for i in range(10):
+        kind = i % 5
+        constraint = (None if kind == 4 else Constraint.regex(r"[a-z]{2,6}[0-9]") if kind == 3
+                      else Constraint.json_schema(TINY_SCHEMAS[i % len(TINY_SCHEMAS)]))
+        out.append(GenerateRequest(_tiny_prompt(tiny, i), 30 if constraint is None else TINY_NEW, Sampler.greedy(),
+                                   constraint=constraint))
+    return out
+
+
+def _run_to_end(engine) -> dict[int, FinishedEvent]:
+    finished: dict[int, FinishedEvent] = {}
+    while engine.in_flight:
+        for event in engine.step():
+            if isinstance(event, FinishedEvent):
+                finished[event.request_id] = event
+    return finished
+
+
+def test_greedy_constrained_rows_run_steps_ahead(tiny):
+    """On an executor that feeds steps from the device and masks there (helpers.fed_cpu), a step whose picking rows
+    are all greedy launches the next one before its ids are read, constrained rows too: each request gives its solo
+    tokens, text and reason, every constrained reply validates, and most steps ran ahead."""
+    from helpers.fed_cpu import FedCpu
+
+    solo = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=320, prefill_chunk=16)).serve()
+    engine = Driver(tiny, FedCpu(), DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=256,
+                                                  step_tokens=64, max_running=10)).serve(Layout.PAGED)
+    assert engine.driver.masks.device is not None
+    alone = [solo.generate(r) for r in _ahead_requests(tiny)]
+    ids = [engine.submit(r) for r in _ahead_requests(tiny)]
+    finished = _run_to_end(engine)
+    for i, (rid, ref) in enumerate(zip(ids, alone, strict=True)):
+        gen = finished[rid].generation
+        assert (gen.tokens, gen.text, gen.stop_reason) == (ref.tokens, ref.text, ref.stop_reason), f"request {i}"
+        if i % 5 < 3:
+            _valid(TINY_SCHEMAS[i % len(TINY_SCHEMAS)], gen.text)
+    assert engine.ahead.steps >= engine.steps // 2, (engine.ahead.steps, engine.steps)
+    assert engine.in_flight == 0 and engine.pool.held == 0
+
+
+def test_a_constraint_failing_in_a_step_ahead_ends_only_its_own_request(tiny, monkeypatch):
+    """A greedy constrained request whose mask comes back empty part-way (helpers/constraint_doubles.py) while the
+    steps run ahead: it alone ends with the error, after AFTER tokens; the others give their solo tokens."""
+    from helpers.fed_cpu import FedCpu
+
+    solo = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=320, prefill_chunk=16)).serve()
+    engine = Driver(tiny, FedCpu(), DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=256,
+                                                  step_tokens=64, max_running=10)).serve(Layout.PAGED)
+    alone = [solo.generate(r) for r in _ahead_requests(tiny)]
+    real = engine.driver.constraint_matcher
+    calls = iter(range(100))
+    monkeypatch.setattr(engine.driver, "constraint_matcher",  # the second constrained request fails
+                        lambda request: (fail_after(real(request), AFTER, "empty") if next(calls) == 1
+                                         else real(request)))
+    ids = [engine.submit(r) for r in _ahead_requests(tiny)]
+    finished = _run_to_end(engine)
+    bad = finished[ids[1]]
+    assert bad.reason == "error" and re.search("allows no next token", str(bad.error)), bad
+    assert bad.generation.tokens == alone[1].tokens[:AFTER]
+    for i, (rid, ref) in enumerate(zip(ids, alone, strict=True)):
+        if i != 1:
+            gen = finished[rid].generation
+            assert (gen.tokens, gen.text, gen.stop_reason) == (ref.tokens, ref.text, ref.stop_reason), f"request {i}"
+    assert engine.ahead.steps > 0
+    assert engine.in_flight == 0 and engine.pool.held == 0
+
+
 # --- the server's helpers: response_format, vLLM's guided fields, forced tool calls -----------------------------
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
               "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

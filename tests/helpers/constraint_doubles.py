@@ -11,7 +11,9 @@ HOWS = ("empty", "mask", "consume")
 
 class DeadEnd:
     """The real matcher for `after` tokens, then it fails as `how` says: "empty" (a mask that allows no token),
-    "mask" (computing the mask raises, on the mask worker thread) or "consume" (taking the next token raises)."""
+    "mask" (computing the mask raises) or "consume" (taking the next token raises). llguidance's batch of masks
+    takes only its own matchers, so a batch holding a DeadEnd fails and each matcher's mask is computed alone, as
+    after any failure of a batch (constraints.Matcher._settle)."""
 
     def __init__(self, real: Any, after: int, how: str) -> None:
         if how not in HOWS:
