@@ -144,6 +144,26 @@ def engine_options(n: int, prompt: int, new: int, step_tokens: int | None) -> An
     return options
 
 
+def salted_tokens(engine: Any, requests: list[Any], salt: str) -> list[list[int]]:
+    """The requests' tokens through the engine, their prefix-cache keys salted (no hit on another salt's blocks)."""
+    from poot_core.driver.engine import FinishedEvent
+
+    ids = [engine.submit(r, cache_salt=salt) for r in requests]
+    done: dict[int, list[int]] = {}
+    while len(done) < len(ids):
+        for event in engine.step():
+            if isinstance(event, FinishedEvent):
+                done[event.request_id] = event.generation.tokens
+    return [done[i] for i in ids]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where a and b differ (None where they are equal)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_tokens: int | None,
                   orders: tuple[str, ...] = ("ahead",)) -> dict[str, Any]:
     from poot_core import Driver, GenerateRequest, Layout
@@ -171,16 +191,19 @@ def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_toke
         engine.ahead.on = order == "ahead"
         timed[order] = run(requests())
     check, tokens = requests()[:16], {}
-    for order in orders:
+    for order in orders:  # a cache salt per order: a prefix-cache hit would change the prefill's shapes (bf16 sums)
         engine.ahead.on = order == "ahead"
-        tokens[order] = [g.tokens for g in engine.generate_batch(check)]
+        tokens[order] = salted_tokens(engine, check, order)
     engine.ahead.on = True
+    first_change = {order: [first_difference(a, b) for a, b in zip(v, tokens[orders[0]], strict=True)]
+                    for order, v in tokens.items()}
     seconds, gens, steps, _ = timed[orders[0]]
     out_tokens = sum(len(g.tokens) for g in gens)
     return {
         "orders": {order: {"seconds": t[0], "output_tok_s": sum(len(g.tokens) for g in t[1]) / t[0],
                            "steps": t[2], "steps_ahead": t[3]} for order, t in timed.items()},
         "same_tokens_in_every_order": all(v == tokens[orders[0]] for v in tokens.values()),
+        "first_token_that_differs": first_change,  # per checked request, against the first order (None: equal)
         "seconds": seconds, "first_run_s": first_s, "steps": steps,
         "output_tok_s": out_tokens / seconds, "total_tok_s": (out_tokens + n * prompt) / seconds,
         "output_tokens": out_tokens,
@@ -333,6 +356,8 @@ def main() -> int:
             log("  step orders: " + "; ".join(f"{k} {v['output_tok_s']:.0f} output tok/s ({v['steps']} steps, "
                                                f"{v['steps_ahead']} ahead)" for k, v in p["orders"].items()) +
                 f"; same tokens in every order: {p['same_tokens_in_every_order']}")
+            if not p["same_tokens_in_every_order"]:
+                log(f"  first token that differs, per checked request: {p['first_token_that_differs']}")
         if "decode_step_ms" in row:
             s = row["decode_step_ms"]
             log(f"  decode step at 768 positions: batch 1 {s['batch1']:.2f} ms, batch 64 {s['batch64']:.2f} ms "
