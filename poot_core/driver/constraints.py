@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -175,9 +176,24 @@ _EXECUTOR: Any = None
 
 
 def mask_threads() -> int:
-    """The library's threads for one batch of masks: half the cores (the other half run the host's own work), at
-    least one, at most 16."""
-    return min(16, max(1, (os.cpu_count() or 2) // 2))
+    """The library's threads for one batch of masks: all cores but two (the engine's thread and the executor's
+    host work), at least one, at most 32. A JSON string with a pattern over a 128k vocabulary costs about a
+    millisecond a mask, so 64 such rows need many threads to be ready within one GPU step."""
+    return min(32, max(1, (os.cpu_count() or 2) - 2))
+
+
+@dataclass
+class MaskStats:
+    """What the batches of masks cost since the process started (bench/structured.py reports it): masks filled,
+    batches, seconds the mask thread spent filling them, seconds the engine's thread waited for them."""
+
+    masks: int = 0
+    batches: int = 0
+    fill_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+STATS = MaskStats()
 
 
 def _executor() -> Any:
@@ -204,8 +220,12 @@ def _fill(matchers: Sequence[Any], words: int) -> np.ndarray:
     """int32 [len(matchers), words]: llguidance's packed masks of the matchers' current states (words: its width
     of a mask, from the tokenizer's vocabulary, which it checks)."""
     out = np.empty((len(matchers), words), dtype=np.int32)
+    t0 = time.perf_counter()
     _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.ctypes.data, 4 * words,
                                         len(matchers))
+    STATS.fill_seconds += time.perf_counter() - t0
+    STATS.masks += len(matchers)
+    STATS.batches += 1
     return out
 
 
@@ -282,12 +302,15 @@ class Matcher:
     def _settle(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            t0 = time.perf_counter()
             try:
                 batch = pending.batch.result()
             except Exception:  # noqa: BLE001 - a library failure in the batch: each matcher alone, so that it
                 self._mask = self._compute()  # ends only the request whose matcher fails
             else:
                 self._mask = self._checked(batch[pending.row])
+            finally:
+                STATS.wait_seconds += time.perf_counter() - t0
 
     def words(self) -> np.ndarray:
         """int32 [words]: the packed mask of the tokens the constraint allows next (end-of-sequence where it is
