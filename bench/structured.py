@@ -16,7 +16,7 @@ over the constrained reply.
 The schema asks for a list of at least 64 people, so no reply completes within the new tokens: every request,
 constrained or not, generates exactly --new tokens (end-of-sequence ignored), and the per-token times compare
 like with like. The random model writes whatever the mask leaves it (still JSON, by the mask). Writes
-bench/results/structured.json (CPU) or structured_cuda.json.
+bench/results/structured.json (CPU) or structured_cuda.json (--out NAME: NAME.json).
 """
 
 from __future__ import annotations
@@ -254,9 +254,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="cuda: decoder layers of the Llama-3-8B shape")
     ap.add_argument("--vocab", default=str(VOCAB), help="cuda: llama.cpp's ggml-vocab-llama-bpe.gguf")
     ap.add_argument("--small", action="store_true", help="cuda: the path on the CPU with a small model")
+    ap.add_argument("--mask-threads", type=int, default=None,
+                    help="llguidance's threads for a batch of masks (a diagnostic; default: mask_threads())")
+    ap.add_argument("--out", default=None, help="the JSON written: bench/results/OUT.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mask_threads:
+        constraints.mask_threads = lambda: args.mask_threads  # read when the executor is first made
     args.new = args.new or (64 if args.backend == "cpu" else 128)
     try:
         import llguidance  # noqa: F401 - poot-core's dependency for structured output
@@ -267,6 +272,8 @@ def main() -> None:
     load = os.getloadavg()
     result["load_average"] = load
     result["mask_threads"] = constraints.mask_threads()
+    if args.mask_threads:
+        result["mask_threads_flag"] = args.mask_threads
     log(f"one-time: tokenizer trie {1e3 * result['tokenizer_trie_seconds']:.0f} ms (once per vocabulary), schema "
         f"compile + first mask {1e3 * result['schema_compile_seconds_median']:.1f} ms (median of 5)")
     log(f"constraint per token, alone: {result['constraint_us_per_token_mean']:.0f} us mean; medians: mask "
@@ -274,7 +281,7 @@ def main() -> None:
         f"{result['constraint_apply_us_median']:.0f} us, taking the token {result['constraint_advance_us_median']:.0f}"
         f" us; load average {load[0]:.1f}")
     log(f"reply: {result['batch1']['json_schema']['text'][:300]}")
-    name = "structured" if args.backend == "cpu" else "structured_cuda"
+    name = args.out or ("structured" if args.backend == "cpu" else "structured_cuda")
     log(f"wrote {common.write(name, result)}")
 
 

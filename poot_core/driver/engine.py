@@ -136,6 +136,11 @@ class _Held:
     token: int
     logprobs: TokenLogprobs | None
     end: str | None  # "eos" or "length" when the ids alone end the request
+    # what the request's constraint made of the token (engine._constrain)
+    refused: PootError | None = None  # taking it failed: the request ends, the token's text not given
+    error: PootError | None = None  # asking whether the grammar is complete failed: the text goes out, then it ends
+    complete: bool = False  # the grammar admits nothing more
+    next_mask: bool = False  # the request goes on under its constraint: its next mask is prefetched
 
 
 def _step_tokens(seq: Sequence, count: int) -> list[int]:
@@ -190,7 +195,6 @@ class ServingDriver:
         self.pipeline = True  # False: every step in the old order (read, detokenize, then schedule the next)
         self._inflight: _Launched | None = None
         self._held: list[_Held] = []
-        self._next_masks: list[Matcher] = []  # constraints _emit advanced, whose next masks _emit_all starts
         self.ahead = ahead.StepsAhead(self)  # the next step launched before the ids are read (ahead.py)
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
         self._callbacks = 0  # requests in flight with a token callback (generate(on_token=...))
@@ -549,41 +553,47 @@ class ServingDriver:
         return []
 
     def _emit_all(self, held: list[_Held]) -> list[Event]:
-        """The held tokens' text and events, then the next masks of the constraints they advanced computed in one
-        batch while the step just launched runs."""
+        """The held tokens' text and events. Their constraints take the tokens first, so that the next masks (of
+        the rows of the step just launched) are computed in one batch while the text is made and the step runs."""
+        for h in held:
+            self._constrain(h)
+        constraints.prefetch(h.req.constraint for h in held if h.next_mask)
         events: list[Event] = []
         for h in held:
             events.extend(self._emit(h))
-        constraints.prefetch(self._next_masks)
-        self._next_masks.clear()
         return events
 
+    def _constrain(self, held: _Held) -> None:
+        """The held token taken by its request's constraint (while the next step runs: that step's input is the
+        token alone): whether it failed, completed the grammar, or needs the next mask."""
+        req = held.req
+        if held.end == "eos" or req.constraint is None:
+            return
+        try:
+            req.constraint.advance(held.token)
+        except PootError as exc:  # as _accept: the token is kept, its text is not given
+            held.refused = exc
+            return
+        try:
+            held.complete = req.constraint.done
+        except PootError as exc:  # the token's text still goes out before the error
+            held.error = exc
+        held.next_mask = not held.complete and held.error is None and held.end is None
+
     def _emit(self, held: _Held) -> list[Event]:
-        """A held token's text and events, in the order _accept gives them (stop, then the constraint, then
-        length). A constraint takes the token here, while the next step runs (that step's input is the token
-        alone), and its next mask is queued for _emit_all; a request it completes has one more row in the running step,
-        dropped when read."""
+        """A held token's text and events after _constrain, in the order _accept gives them (stop, then the
+        constraint, then length); a request that ends has one more row in the running step, dropped when read."""
         req = held.req
         if held.end == "eos":
             return self._finish(req, "eos")
-        complete, error = False, None
-        if req.constraint is not None:
-            try:
-                req.constraint.advance(held.token)
-            except PootError as exc:  # as _accept: the token is kept, its text is not given
-                return self._finish(req, "error", exc)
-            try:
-                complete = req.constraint.done
-            except PootError as exc:  # the token's text still goes out before the error
-                error = exc
-            if not complete and error is None and held.end is None:
-                self._next_masks.append(req.constraint)  # the mask of the running step's row (_emit_all)
+        if held.refused is not None:
+            return self._finish(req, "error", held.refused)
         events, hit = self._text(req, held.token, held.logprobs)
         if hit:  # the step now running has one more row of this request: dropped when read
             return events + self._finish(req, "stop")
-        if error is not None:
-            return events + self._finish(req, "error", error)
-        if complete:  # the constraint admits nothing more
+        if held.error is not None:
+            return events + self._finish(req, "error", held.error)
+        if held.complete:  # the constraint admits nothing more
             return events + self._finish(req, "eos", flush=True)
         if held.end == "length":
             return events + self._finish(req, "length")
