@@ -30,7 +30,6 @@ from poot_core import (
 from poot_core.graph import StateSpec, handled_ops
 
 from .host import DeviceIds
-from .host import to_device as queued_to_device  # .weights has a to_device of its own
 from .program import GRAPH_TOKENS, Binder, TritonProgram
 from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
@@ -179,9 +178,8 @@ class TritonExecutor:
         from .tuning import use_tuning
 
         logits = value[0]
-        # queued copies (host.to_device): a plain copy would wait for the step in flight, which steps ahead keep busy
-        index = queued_to_device(np.asarray(rows, dtype=np.int64) % logits.shape[0], self.device)
-        words = queued_to_device(bitmask, self.device, np.int32)
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64) % logits.shape[0]).to(self.device)
+        words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(self.device)
         with torch.inference_mode(), use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext():
             apply_bitmask(logits, words, index)
         return value

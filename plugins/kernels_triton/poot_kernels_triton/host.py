@@ -17,10 +17,9 @@ import numpy as np
 import torch
 
 
-def to_device(array: np.ndarray, device: torch.device, dtype: type = np.int64) -> torch.Tensor:
-    """A copy of `array` as `dtype` (int64 unless told) on `device`, queued on the current stream (on the CPU: a
-    view of the array)."""
-    host = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 copy of `array` on `device`, queued on the current stream (on the CPU: a view of the array)."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
