@@ -113,6 +113,26 @@ def test_greedy_tokens_match(checkpoint):
     assert ours == out[0, len(tokens):].tolist()
 
 
+def test_one_runtime_serves_requests_of_other_sizes_and_prepares_a_repeat_once(checkpoint, monkeypatch):
+    """Requests of other image sizes and prompt lengths, in turn, through one runtime (its KV state and prepared
+    programs kept): each gives what a fresh runtime gives it, and a request like an earlier one prepares nothing."""
+    path, _ = checkpoint
+    runtime = VisionLanguageModel.load(path)
+    prepared = []
+    prepare = runtime.executor.prepare
+    monkeypatch.setattr(runtime.executor, "prepare",
+                        lambda graph, weights: prepared.append(graph) or prepare(graph, weights))
+    made = []  # programs each request of `runtime` prepared
+    for images in ([IMAGES[0]], [IMAGES[1]], [IMAGES[0]]):
+        tokens = _prompt(_reference(images)[1])
+        fresh = VisionLanguageModel.load(path).generate(tokens, images, max_new=6, ignore_eos=True)
+        before = len(prepared)
+        assert runtime.generate(tokens, images, max_new=6, ignore_eos=True) == fresh
+        made.append(len(prepared) - before)
+    # the vision tower, the prefill and the decode step; the second size's tower and prefill; the repeat: none
+    assert made == [3, 2, 0], made
+
+
 def test_text_only_prompt(checkpoint):
     """Without images M-RoPE is the plain rope: the driver's chunked prefill and the runtime's prompt give
     transformers' logits."""

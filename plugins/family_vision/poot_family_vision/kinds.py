@@ -19,7 +19,9 @@ from poot_family_vision.model import shuffle_index, trace_vision, vision_shape
 from poot_family_vision.preprocess import ImageSettings, SquareSettings, frames, patches, square_frames
 from poot_family_vision.qwen25vl_input import QwenImageSettings, image_patches, rope_positions, vision_layout
 
-VisionStep = tuple[StepShape, Callable[[Tracer], None], dict[str, np.ndarray]]
+# the vision step's shape, its trace, its inputs, and what the trace depends on beside the shape (the key of its
+# prepared program, runtime.VisionLanguageModel._program)
+VisionStep = tuple[StepShape, Callable[[Tracer], None], dict[str, np.ndarray], tuple[Any, ...]]
 
 
 class SquareImages:
@@ -41,7 +43,7 @@ class SquareImages:
         inputs = {"patches": patches(pixels, vp.patch),
                   "patch_positions": np.broadcast_to(np.arange(vp.patches), (n, vp.patches)).astype(np.int64),
                   "mask": np.ones((n, vp.patches), dtype=np.int64)} | self.inputs(n)
-        return vision_shape(vp, n), lambda t: self.trace(t, n), inputs
+        return vision_shape(vp, n), lambda t: self.trace(t, n), inputs, (n,)
 
     def prompt_inputs(self, tokens: list[int], layouts: Any) -> tuple[dict[str, np.ndarray], int]:
         """The text step's inputs beside tokens and positions, and the offset of later tokens' rope positions."""
@@ -160,7 +162,7 @@ class QwenImages:
         def trace(t: Tracer) -> None:
             qwen25vl.trace_vision(vp, t, rows, lay.windows.shape, lay.images.shape)
 
-        return qwen25vl.vision_shape(rows), trace, inputs
+        return qwen25vl.vision_shape(rows), trace, inputs, (rows, lay.windows.shape, lay.images.shape)
 
     def prompt_inputs(self, tokens: list[int], layouts: Any) -> tuple[dict[str, np.ndarray], int]:
         grids = [tuple(int(v) for v in g) for g in (layouts or [])]

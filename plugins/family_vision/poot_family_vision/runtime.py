@@ -1,6 +1,7 @@
 """Running a vision-language checkpoint: the vision step once per request's images, then the text model's
 prefill with the features spliced in at the image tokens, then plain decode steps over the same KV state
-(one state and one decode step program kept for all requests).
+(one state kept for all requests, and the prepared programs of the last few step shapes: a request like an
+earlier one, the same image size and prompt length, prepares nothing).
 
 This runs on an executor directly (one sequence, contiguous KV; the prompt is prefilled in one step, so an
 image's tokens, which attend to each other both ways in Gemma 3, are never split); the driver's text-only paths
@@ -10,6 +11,7 @@ with its mmproj GGUF (Gemma 3, poot_family_vision.mmproj; Qwen2.5-VL, poot_famil
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from poot_family_vision.kinds import images_of
 from poot_family_vision.messages import expand_images, split_images
 from poot_family_vision.model import trace_text
 from poot_family_vision.preprocess import load_image
+
+PROGRAMS = 8  # prepared step programs kept (vision towers, prefills and the decode step)
 
 
 class VisionLanguageModel:
@@ -49,7 +53,7 @@ class VisionLanguageModel:
         # Triton executor) stays captured across requests; a prefill writes from position 0 and no step reads
         # a position its request has not written
         self._state: Any = None
-        self._step: Any = None
+        self._programs: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()  # see _program
         if mmproj is None:
             self.kind = images_of(handle, self.params, pan_and_scan)
 
@@ -58,10 +62,20 @@ class VisionLanguageModel:
              mmproj: str | Path | None = None, pan_and_scan: bool = False) -> VisionLanguageModel:
         return cls(ModelHandle.load(path), executor, capacity, mmproj, pan_and_scan)
 
-    def _program(self, shape: StepShape, trace) -> tuple[object, object]:
+    def _program(self, shape: StepShape, trace, key: tuple[Any, ...]) -> tuple[Any, Any]:
+        """(the prepared program, its graph) of `trace` at `shape`; `key` names everything else the trace depends
+        on. The last PROGRAMS are kept (preparing one for the GPU takes much longer than running it)."""
+        full = (shape, *key)
+        kept = self._programs.get(full)
+        if kept is not None:
+            self._programs.move_to_end(full)
+            return kept
         t = Tracer(shape, self._shapes)
         trace(t)
-        return self.executor.prepare(t.graph, self.weights), t.graph
+        kept = self._programs[full] = (self.executor.prepare(t.graph, self.weights), t.graph)
+        while len(self._programs) > PROGRAMS:
+            self._programs.popitem(last=False)
+        return kept
 
     # --- images ---------------------------------------------------------------------------------------
     def frames(self, images: Sequence[object]) -> tuple[np.ndarray, list[Any]]:
@@ -78,8 +92,8 @@ class VisionLanguageModel:
         """(the tower's last hidden state, the image features [.., Dt]): Idefics3 / Gemma 3 [N, P, Dv] and
         [N, tokens per image, Dt] of frames [N, 3, S, S]; Qwen2.5-VL [1, L, Dv] in window order and [L / 4, Dt]
         of patches [L, 1176] with each image's grid (t, h, w) in `layouts`."""
-        shape, trace, inputs = self.kind.vision_step(pixels, layouts)
-        prog, _ = self._program(shape, trace)
+        shape, trace, inputs, key = self.kind.vision_step(pixels, layouts)
+        prog, _ = self._program(shape, trace, ("vision", *key))
         hidden, features = prog.run({}, inputs)
         return self.executor.to_numpy(hidden), self.executor.to_numpy(features)
 
@@ -105,7 +119,8 @@ class VisionLanguageModel:
         groups = bool(len(at)) and self.kind.bidirectional
         shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
         mrope = self.kind.mrope
-        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope))
+        prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope),
+                                    ("text", len(at), groups, mrope))
         if self._state is None:
             self._state = self.executor.allocate_state(graph)
         state = self._state
@@ -154,10 +169,8 @@ class VisionLanguageModel:
         features, layouts = self._features(images, pixels, layouts)
         out, state, delta = self._prefill(tokens, features, False, layouts)
         mrope = self.kind.mrope
-        if self._step is None:
-            self._step, _ = self._program(StepShape(1, 1, self.capacity),
-                                          lambda t: trace_text(self.config, t, mrope=mrope))
-        step = self._step
+        step, _ = self._program(StepShape(1, 1, self.capacity), lambda t: trace_text(self.config, t, mrope=mrope),
+                                ("text", 0, False, mrope))
         new: list[int] = []
         position = len(tokens)
         pick = device_greedy(self.executor) or (lambda o: int(np.argmax(self.executor.to_numpy(o)[0, -1])))
