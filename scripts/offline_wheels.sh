@@ -11,7 +11,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_24_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
   -d .whl \
   gguf 'llguidance>=1.9.1,<2' jsonschema jsonschema-specifications referencing rpds-py \
-  fastapi opentelemetry-api starlette pydantic pydantic-core annotated-types typing-inspection uvicorn prometheus-client \
+  fastapi opentelemetry-api starlette pydantic pydantic-core annotated-types typing-inspection uvicorn httptools prometheus-client \
   openai distro jiter \
   wgpu cffi pycparser rendercanvas pyopencl pytools platformdirs siphash24
 ls .whl

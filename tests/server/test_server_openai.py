@@ -239,13 +239,6 @@ def test_errors_in_openai_shape(client, server):
 
 
 def test_metrics_count_what_was_served(client, server, expected):
-    m = server.metrics()
-    for name in ("poot:num_requests_running", "poot:num_requests_waiting", "poot:kv_cache_usage_perc",
-                 "poot:prefix_cache_queries_total", "poot:prefix_cache_hits_total", "poot:prompt_tokens_total",
-                 "poot:generation_tokens_total", "poot:time_to_first_token_seconds_bucket",
-                 "poot:inter_token_latency_seconds_bucket", "poot:e2e_request_latency_seconds_bucket",
-                 "poot:request_queue_time_seconds_bucket"):
-        assert any(k.startswith(name) for k in m), name
     before = (server.metric("poot:prompt_tokens_total"), server.metric("poot:generation_tokens_total"),
               server.metric("poot:time_to_first_token_seconds_count"),
               server.metric("poot:inter_token_latency_seconds_count"))
@@ -255,6 +248,13 @@ def test_metrics_count_what_was_served(client, server, expected):
              server.metric("poot:time_to_first_token_seconds_count"),
              server.metric("poot:inter_token_latency_seconds_count"))
     assert after[0] - before[0] == len(ids) and after[1] - before[1] == len(ref.tokens)
+    m = server.metrics()  # every metric shown once a request was served (a labelled one only then)
+    for name in ("poot:num_requests_running", "poot:num_requests_waiting", "poot:kv_cache_usage_perc",
+                 "poot:prefix_cache_queries_total", "poot:prefix_cache_hits_total", "poot:prompt_tokens_total",
+                 "poot:generation_tokens_total", "poot:time_to_first_token_seconds_bucket",
+                 "poot:inter_token_latency_seconds_bucket", "poot:e2e_request_latency_seconds_bucket",
+                 "poot:request_queue_time_seconds_bucket"):
+        assert any(k.startswith(name) for k in m), name
     pieces = len(ref.tokens) - (ref.stop_reason == "eos")  # an end-of-sequence token is counted, not shown
     assert after[2] - before[2] == 1 and after[3] - before[3] == pieces - 1
     assert server.metric("poot:num_requests_running") == 0
