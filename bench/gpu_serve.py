@@ -144,19 +144,6 @@ def engine_options(n: int, prompt: int, new: int, step_tokens: int | None) -> An
     return options
 
 
-def salted_tokens(engine: Any, requests: list[Any], salt: str) -> list[list[int]]:
-    """The requests' tokens through the engine, their prefix-cache keys salted (no hit on another salt's blocks)."""
-    from poot_core.driver.engine import FinishedEvent
-
-    ids = [engine.submit(r, cache_salt=salt) for r in requests]
-    done: dict[int, list[int]] = {}
-    while len(done) < len(ids):
-        for event in engine.step():
-            if isinstance(event, FinishedEvent):
-                done[event.request_id] = event.generation.tokens
-    return [done[i] for i in ids]
-
-
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The index of the first token where a and b differ (None where they are equal)."""
     if a == b:
@@ -193,7 +180,7 @@ def poot_workload(handle: Any, ex: Any, n: int, prompt: int, new: int, step_toke
     check, tokens = requests()[:16], {}
     for order in orders:  # a cache salt per order: a prefix-cache hit would change the prefill's shapes (bf16 sums)
         engine.ahead.on = order == "ahead"
-        tokens[order] = salted_tokens(engine, check, order)
+        tokens[order] = [g.tokens for g in engine.generate_batch(check, cache_salt=order)]
     engine.ahead.on = True
     first_change = {order: [first_difference(a, b) for a, b in zip(v, tokens[orders[0]], strict=True)]
                     for order, v in tokens.items()}

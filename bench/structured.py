@@ -109,7 +109,7 @@ def engine_round(engine: Any, prompts: list[list[int]], new: int, constraint: Co
     """All requests at once through generate_batch: wall time, and the mean time per decode token of a request
     (its decode seconds over its decode tokens)."""
     requests = [GenerateRequest(list(p), max_new=new, ignore_eos=True, constraint=constraint) for p in prompts]
-    stats0 = dataclasses.replace(constraints.STATS)
+    stats0 = dataclasses.replace(constraints.STATS)  # a copy
     steps0, ahead0 = engine.steps, engine.ahead.steps
     sync()
     t0 = time.perf_counter()
@@ -118,15 +118,14 @@ def engine_round(engine: Any, prompts: list[list[int]], new: int, constraint: Co
     wall = time.perf_counter() - t0
     tpot = statistics.fmean(g.timings.decode_seconds / g.timings.decode_tokens for g in gens)
     steps = engine.steps - steps0
-    stats = {f: getattr(constraints.STATS, f) - getattr(stats0, f) for f in ("masks", "batches", "fill_seconds",
-                                                                           "wait_seconds")}
+    stats = constraints.STATS.since(stats0)
     return {"seconds": wall, "output_tok_s": sum(len(g.tokens) for g in gens) / wall, "ms_per_token": 1e3 * tpot,
             "decode_tok_s": len(gens) / tpot, "tokens": [len(g.tokens) for g in gens],
             "stop_reasons": sorted({g.stop_reason for g in gens}), "text": gens[0].text,
             "steps": steps, "steps_ahead": engine.ahead.steps - ahead0,
             # per step: the mask thread's filling, and the engine's wait for it (the part not hidden by the step)
-            "mask_fill_ms_per_step": 1e3 * stats["fill_seconds"] / steps,
-            "mask_wait_ms_per_step": 1e3 * stats["wait_seconds"] / steps, "masks": stats["masks"]}
+            "mask_fill_ms_per_step": 1e3 * stats.fill_seconds / steps,
+            "mask_wait_ms_per_step": 1e3 * stats.wait_seconds / steps, "masks": stats.masks}
 
 
 def interleaved(run: Any, repeats: int) -> dict[str, dict[str, Any]]:

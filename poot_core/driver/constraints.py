@@ -27,7 +27,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -192,6 +192,10 @@ class MaskStats:
     fill_seconds: float = 0.0
     wait_seconds: float = 0.0
 
+    def since(self, earlier: MaskStats) -> MaskStats:
+        """What was counted after `earlier` (a copy of STATS taken then)."""
+        return MaskStats(*(now - then for now, then in zip(astuple(self), astuple(earlier), strict=True)))
+
 
 STATS = MaskStats()
 
@@ -240,17 +244,14 @@ class _Pending:
 def prefetch(matchers: Iterable[Matcher]) -> None:
     """Start computing the next masks of these matchers (those without one) in one batch on the mask thread, so that
     they are ready when the step that runs meanwhile has its logits."""
-    todo = [m for m in matchers if m._mask is None and m._pending is None]
-    if not todo:
-        return
-    words = todo[0]._lib_words
-    if any(m._lib_words != words for m in todo):  # one array per vocabulary width
-        for m in todo:
-            prefetch([m])
-        return
-    batch = _pool().submit(_fill, [m._m for m in todo], words)
-    for row, m in enumerate(todo):
-        m._pending = _Pending(batch, row)
+    by_width: dict[int, list[Matcher]] = {}  # one array per width of llguidance's masks (one per vocabulary)
+    for m in matchers:
+        if m._mask is None and m._pending is None:
+            by_width.setdefault(m._lib_words, []).append(m)
+    for words, todo in by_width.items():
+        batch = _pool().submit(_fill, [m._m for m in todo], words)
+        for row, m in enumerate(todo):
+            m._pending = _Pending(batch, row)
 
 
 class Matcher:

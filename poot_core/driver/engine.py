@@ -140,7 +140,12 @@ class _Held:
     refused: PootError | None = None  # taking it failed: the request ends, the token's text not given
     error: PootError | None = None  # asking whether the grammar is complete failed: the text goes out, then it ends
     complete: bool = False  # the grammar admits nothing more
-    next_mask: bool = False  # the request goes on under its constraint: its next mask is prefetched
+
+    @property
+    def next_mask(self) -> bool:
+        """The request goes on under its constraint: its next mask is wanted (engine._emit_all prefetches it)."""
+        return (self.req.constraint is not None and self.end is None and self.refused is None
+                and self.error is None and not self.complete)
 
 
 def _step_tokens(seq: Sequence, count: int) -> list[int]:
@@ -565,7 +570,7 @@ class ServingDriver:
 
     def _constrain(self, held: _Held) -> None:
         """The held token taken by its request's constraint (while the next step runs: that step's input is the
-        token alone): whether it failed, completed the grammar, or needs the next mask."""
+        token alone): whether taking it failed, or completed the grammar."""
         req = held.req
         if held.end == "eos" or req.constraint is None:
             return
@@ -578,7 +583,6 @@ class ServingDriver:
             held.complete = req.constraint.done
         except PootError as exc:  # the token's text still goes out before the error
             held.error = exc
-        held.next_mask = not held.complete and held.error is None and held.end is None
 
     def _emit(self, held: _Held) -> list[Event]:
         """A held token's text and events after _constrain, in the order _accept gives them (stop, then the
@@ -658,11 +662,11 @@ class ServingDriver:
         return events
 
     # --- whole requests -------------------------------------------------------------------------------
-    def generate_batch(self, requests: list[GenerateRequest]) -> list[Generation]:
+    def generate_batch(self, requests: list[GenerateRequest], cache_salt: str | None = None) -> list[Generation]:
         """Run every request to its end, sharing steps; generations in the requests' order. Each is checked
-        before any is queued."""
+        before any is queued. cache_salt: as submit's (their prefix-cache blocks are shared only under it)."""
         checked = [(r, self._check(r), self.driver.constraint_matcher(r)) for r in requests]
-        ids = [self._submit(*c) for c in checked]
+        ids = [self._submit(*c, cache_salt=cache_salt) for c in checked]
         done: dict[int, Generation] = {}
         pending = set(ids)
         while pending:

@@ -489,6 +489,17 @@ def _ahead_requests(tiny: ModelHandle) -> list[GenerateRequest]:
     return out
 
 
+def _solo_and_fed_engine(tiny: ModelHandle):
+    """The contiguous driver, and the paged engine on an executor that feeds steps from the device and masks there
+    (helpers.fed_cpu), as the Triton executor does on a GPU."""
+    from helpers.fed_cpu import FedCpu
+
+    solo = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=320, prefill_chunk=16)).serve()
+    engine = Driver(tiny, FedCpu(), DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=256,
+                                                  step_tokens=64, max_running=10)).serve(Layout.PAGED)
+    return solo, engine
+
+
 def _run_to_end(engine) -> dict[int, FinishedEvent]:
     finished: dict[int, FinishedEvent] = {}
     while engine.in_flight:
@@ -502,11 +513,7 @@ def test_greedy_constrained_rows_run_steps_ahead(tiny):
     """On an executor that feeds steps from the device and masks there (helpers.fed_cpu), a step whose picking rows
     are all greedy launches the next one before its ids are read, constrained rows too: each request gives its solo
     tokens, text and reason, every constrained reply validates, and most steps ran ahead."""
-    from helpers.fed_cpu import FedCpu
-
-    solo = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=320, prefill_chunk=16)).serve()
-    engine = Driver(tiny, FedCpu(), DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=256,
-                                                  step_tokens=64, max_running=10)).serve(Layout.PAGED)
+    solo, engine = _solo_and_fed_engine(tiny)
     assert engine.driver.masks.device is not None
     alone = [solo.generate(r) for r in _ahead_requests(tiny)]
     ids = [engine.submit(r) for r in _ahead_requests(tiny)]
@@ -523,11 +530,7 @@ def test_greedy_constrained_rows_run_steps_ahead(tiny):
 def test_a_constraint_failing_in_a_step_ahead_ends_only_its_own_request(tiny, monkeypatch):
     """A greedy constrained request whose mask comes back empty part-way (helpers/constraint_doubles.py) while the
     steps run ahead: it alone ends with the error, after AFTER tokens; the others give their solo tokens."""
-    from helpers.fed_cpu import FedCpu
-
-    solo = Driver(tiny, open_executor("cpu"), DriverOptions(capacity=320, prefill_chunk=16)).serve()
-    engine = Driver(tiny, FedCpu(), DriverOptions(capacity=320, prefill_chunk=16, block_size=8, kv_blocks=256,
-                                                  step_tokens=64, max_running=10)).serve(Layout.PAGED)
+    solo, engine = _solo_and_fed_engine(tiny)
     alone = [solo.generate(r) for r in _ahead_requests(tiny)]
     real = engine.driver.constraint_matcher
     calls = iter(range(100))
