@@ -520,6 +520,8 @@ class Driver:
                               "call prepare_encode first or send fewer or shorter rows")
         shape = min(fitting, key=lambda s: (s.rows * s.tokens, s.rows))
         prog, graph, state = self._encode_prepared[shape]
+        if graph.recurrent():  # every row is a new sequence: recurrent state (hybrid families) starts at zeros
+            state = self.executor.allocate_state(graph)
         inputs = self._encode_inputs(shape, rows, token_types)
         out = self.executor.to_numpy(prog.run(state, {k: v for k, v in inputs.items() if k in graph.inputs})[0])
         return [np.asarray(out[i, : len(r)], dtype=np.float32) for i, r in enumerate(rows)]

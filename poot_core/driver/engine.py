@@ -95,6 +95,8 @@ class PoolCounters:
     cache: CacheCounters
     state_slots: int = 0  # recurrent state slots in all (hybrid families; 0 without recurrent state)
     state_held: int = 0  # of them held by running sequences
+    state_kept: int = 0  # of them kept with finished sequences' states for a next turn (given back when needed)
+    kept_blocks: int = 0  # KV blocks kept with those states (not in `held`)
 
 
 @dataclass(eq=False)
@@ -291,9 +293,12 @@ class ServingDriver:
     def counters(self) -> PoolCounters:
         cache = self.pool.cache
         slots = self.slots
-        return PoolCounters(self.pool.blocks, self.pool.held, cache.idle_blocks if cache else 0,
+        kept = self.scheduler.kept
+        kept_slots, kept_blocks = (len(kept), kept.blocks) if kept is not None else (0, 0)
+        return PoolCounters(self.pool.blocks, self.pool.held - kept_blocks, cache.idle_blocks if cache else 0,
                             self.scheduler.preemptions, cache.counters if cache else CacheCounters(),
-                            slots.slots if slots else 0, slots.held if slots else 0)
+                            slots.slots if slots else 0, slots.held - kept_slots if slots else 0, kept_slots,
+                            kept_blocks)
 
     # --- stepping -------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -544,7 +549,7 @@ class ServingDriver:
             req.seq.tokens.append(token)
         end = "eos" if token in req.stop_ids else "length" if len(req.generated) >= req.limit else None
         if end is not None:
-            self.scheduler.remove(req.seq)
+            self.scheduler.remove(req.seq, keep=True)
         return end
 
     def _text(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> tuple[list[Event], bool]:
@@ -641,7 +646,8 @@ class ServingDriver:
             events.append(TokenEvent(req.seq.id, -1, tail))
             if req.on_token:
                 req.on_token(-1, tail)
-        self.scheduler.remove(req.seq)
+        # a request that ended well leaves its recurrent state for a next turn (state_pool.KeptStates)
+        self.scheduler.remove(req.seq, keep=reason in ("eos", "length", "stop", "callback"))
         self._callbacks -= req.on_token is not None
         if self.speculation is not None:
             self.speculation.end(req.seq.id)

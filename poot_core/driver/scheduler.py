@@ -11,7 +11,10 @@ When a running sequence needs a block and the pool has none, the newest running 
 preempted: its blocks are given back and it waits again, keeping its tokens, so that it is recomputed later
 and finishes as it would have. A sequence's tokens are its prompt and what it generated; `computed` of them
 have their K/V in its blocks. A model with recurrent state also gives each running sequence one slot of a
-StatePool (state_pool.py): admission waits for a free slot, and finishing, aborting or preemption gives it back.
+StatePool (state_pool.py): admission waits for a free slot, and aborting or preemption gives it back. A sequence
+that finishes leaves its slot and blocks as a kept state (state_pool.KeptStates) that a later request extending
+its tokens continues from; kept states are given back first whenever an admission or a running sequence needs
+room.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import PrefixCache
-from poot_core.driver.state_pool import StatePool
+from poot_core.driver.state_pool import Kept, KeptStates, StatePool
 
 
 @dataclass(eq=False)
@@ -36,7 +39,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the first full blocks
     preemptions: int = 0
-    reused: int = 0  # prompt tokens found in the prefix cache at the last admission
+    reused: int = 0  # prompt tokens found in the prefix cache (or a kept state) at the last admission
     # speculative decoding: tokens proposed to follow `tokens`, run after its last one in the next step (they
     # are not in `tokens` until the verify step keeps them)
     draft: list[int] = field(default_factory=list)
@@ -65,6 +68,7 @@ class Scheduler:
         if limits.step_tokens < 1 or limits.max_running < 1 or limits.prefill_chunk < 1:
             raise ValueError(f"scheduler limits must be positive: {limits}")
         self.pool, self.limits, self.slots = pool, limits, slots
+        self.kept = KeptStates() if slots is not None else None  # finished sequences' recurrent states
         self.waiting: list[Sequence] = []  # kept in order()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self._running: set[Sequence] = set()  # the same sequences, for membership tests in O(1)
@@ -86,14 +90,30 @@ class Scheduler:
             at -= 1
         self.waiting.insert(at, seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Forget a sequence (finished or aborted), giving its blocks back."""
+    def remove(self, seq: Sequence, keep: bool = False) -> None:
+        """Forget a sequence (finished or aborted), giving its blocks back; keep: a running sequence that finished
+        leaves its recurrent state and blocks as a kept state instead."""
         if seq in self._running:
             self.running.remove(seq)
             self._running.discard(seq)
+            if keep and self.kept is not None and seq.slot >= 0 and seq.unknown < 0 and seq.computed > 0:
+                self.kept.keep(Kept(seq.tokens[: seq.computed], seq.salt, seq.blocks, seq.slot))
+                seq.blocks, seq.keys, seq.computed, seq.draft, seq.slot = [], [], 0, [], -1
+                return
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
+
+    def _drop_kept(self, spare: Kept | None = None) -> bool:
+        """Give back the oldest kept state's slot and blocks (other than `spare`); False when none is kept."""
+        kept = self.kept.oldest(spare) if self.kept is not None else None
+        if kept is None:
+            return False
+        for block in kept.blocks:
+            self.pool.release(block)
+        assert self.slots is not None
+        self.slots.release(kept.slot)
+        return True
 
     def _free(self, seq: Sequence) -> None:
         for block in seq.blocks:
@@ -172,6 +192,8 @@ class Scheduler:
         is short. False when `seq` itself had to be preempted."""
         need = self.pool.blocks_for(positions) - len(seq.blocks)
         while need > self.pool.available:
+            if self._drop_kept():
+                continue
             victim = self.running[-1]
             self._preempt(victim, chosen)
             if victim is seq:
@@ -194,22 +216,36 @@ class Scheduler:
         the tokens it runs now, or 0."""
         if seq.unknown >= 0:  # preempted while a token of it was in flight: it waits until the id is read
             return 0
-        hits = self._cached_prefix(seq, count=False)
-        computed = len(hits) * self.pool.block_size
+        kept = self.kept.find(seq.tokens, seq.salt) if self.kept is not None else None
+        hits = self._cached_prefix(seq, count=False)  # none with recurrent state (no prefix cache)
+        have = kept.blocks if kept is not None else hits
+        computed = len(kept.tokens) if kept is not None else len(hits) * self.pool.block_size
         n = min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget)
         idle_hits = sum(1 for b in hits if self.cache is not None and self.cache.is_idle(b))
-        need = self.pool.blocks_for(computed + n) - len(hits)
-        if need > self.pool.available - idle_hits or (self.slots is not None and not self.slots.available):
+        need = max(self.pool.blocks_for(computed + n) - len(have), 0)
+
+        def short() -> bool:
+            slot_short = self.slots is not None and kept is None and not self.slots.available
+            return need > self.pool.available - idle_hits or slot_short
+
+        while short() and self._drop_kept(spare=kept):
+            pass
+        if short():
             return 0
-        hits = self._cached_prefix(seq, count=True)
-        for block in hits:
-            self.pool.retain(block)
-        seq.blocks = list(hits)
-        seq.computed = seq.reused = computed
+        if kept is not None:
+            self.kept.take(kept)  # type: ignore[union-attr]
+            seq.blocks, seq.slot = list(kept.blocks), kept.slot
+            seq.computed = seq.reused = computed
+        else:
+            hits = self._cached_prefix(seq, count=True)
+            for block in hits:
+                self.pool.retain(block)
+            seq.blocks = list(hits)
+            seq.computed = seq.reused = computed
+            if self.slots is not None:
+                seq.slot = self.slots.allocate()
         for _ in range(need):
             seq.blocks.append(self.pool.allocate())
-        if self.slots is not None:
-            seq.slot = self.slots.allocate()
         self.waiting.remove(seq)
         self.running.append(seq)
         self._running.add(seq)

@@ -8,8 +8,13 @@ which slot each sequence reads and writes (the `state_slots` input). A run that 
 sequence, or a preempted one being recomputed from its tokens) starts its slot from zeros.
 
 Such state cannot be cut back to a shorter prefix, so the prefix cache is off for these models (a cached KV block
-would need the recurrent state at its boundary too): reuse is exact or not at all. Speculative decoding, whose
-rejected tokens would have to be taken back out of the state, is refused.
+would need the recurrent state at its boundary too): reuse is exact or not at all. What is reused is a finished
+sequence's whole state: when a sequence ends (end of sequence, its length limit, a stop string) its slot and KV
+blocks are kept (KeptStates), and a later request whose prompt starts with every token they hold, and is longer,
+continues from them (a conversation's next turn), prefilling only its new tokens. Kept states are given back,
+least recently kept first, whenever an admission or a running sequence needs their slot or blocks, so keeping
+never holds back or preempts a request. Speculative decoding, whose rejected tokens would have to be taken back
+out of the state, is refused.
 
 The pools are sized together from one budget: `DriverOptions.state_slots` slots (default: max_running), each
 counted at its real bytes, and the KV blocks from what is left.
@@ -18,8 +23,9 @@ counted at its real bytes, and the KV blocks from what is left.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,6 +69,65 @@ class StatePool:
             raise RuntimeError(f"state slot {slot} released but not held")
         self._held.discard(slot)
         self._free.append(slot)
+
+
+@dataclass(eq=False)
+class Kept:
+    """A finished sequence's recurrent state slot and KV blocks, which hold exactly `tokens`."""
+
+    tokens: list[int]
+    salt: str | None
+    blocks: list[int]
+    slot: int
+
+
+class KeptStates:
+    """Finished sequences' states, oldest first, found again by a prompt that extends their tokens."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[int, Kept] = OrderedDict()  # an id a kept state -> it, least recently kept first
+        self._next = 0
+        self.blocks = 0  # KV blocks the kept states hold
+        self.reused = 0  # kept states a request continued from
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, kept: Kept) -> None:
+        self._kept[self._next] = kept
+        self._next += 1
+        self.blocks += len(kept.blocks)
+
+    def find(self, tokens: list[int], salt: str | None) -> Kept | None:
+        """The longest kept state whose tokens begin `tokens` (at least one token of `tokens` is left to run: its
+        logits pick the next token), under the same cache salt; not taken."""
+        best: Kept | None = None
+        for kept in self._kept.values():
+            n = len(kept.tokens)
+            if (n < len(tokens) and kept.salt == salt and (best is None or n > len(best.tokens))
+                    and kept.tokens[-1] == tokens[n - 1] and tokens[:n] == kept.tokens):
+                best = kept
+        return best
+
+    def take(self, kept: Kept) -> None:
+        """A request continues from `kept`: it owns the slot and blocks now."""
+        for key, value in self._kept.items():
+            if value is kept:
+                del self._kept[key]
+                self.blocks -= len(kept.blocks)
+                self.reused += 1
+                return
+        raise RuntimeError("a kept state taken twice")
+
+    def oldest(self, spare: Kept | None = None) -> Kept | None:
+        """Forget the least recently kept state other than `spare` and give it to the caller, who frees its slot
+        and blocks; None when there is none."""
+        for key, value in self._kept.items():
+            if value is not spare:
+                del self._kept[key]
+                self.blocks -= len(value.blocks)
+                return value
+        return None
 
 
 def slot_index(batch: Iterable[tuple[Sequence, int]], seqs: int) -> np.ndarray:

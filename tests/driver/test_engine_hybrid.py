@@ -2,7 +2,9 @@
 delta-rule states) in a pool of slots, one per running sequence, beside paged KV. Each request of a batch of mixed
 prompt lengths (some longer than a prefill chunk, so their state crosses steps in its slot) gives the tokens of
 the contiguous Driver run alone and logits within float32 rounding of it; the same when the pool is so small that
-sequences are preempted and recomputed; slots come back at finish and abort and bound the running sequences."""
+sequences are preempted and recomputed; slots come back at abort and bound the running sequences. A finished
+request's state is kept: a next turn that extends its tokens continues from it and gives a fresh run's tokens and
+logits, and kept states give way to new requests."""
 
 from __future__ import annotations
 
@@ -95,7 +97,10 @@ def _check_batch(engine: ServingDriver, runs: list[tuple[list[int], np.ndarray]]
         seen = np.stack(engine.logits[rid])
         err = np.abs(seen - logits).max() / np.abs(logits).max()
         assert err <= LOGIT_BOUND, f"request {rid}: {err}"
-    assert engine.counters().held == 0 and engine.slots.available == engine.slots.slots
+    counters = engine.counters()  # what finished is kept for a next turn, counted apart from what runs
+    assert counters.held == 0 and counters.state_held == 0
+    assert engine.slots.held == counters.state_kept == len(engine.scheduler.kept)
+    assert engine.pool.held == counters.kept_blocks
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -133,11 +138,13 @@ def test_slot_count_limits_running_sequences(hybrid_checkpoint):
                 done[event.request_id] = event.generation.tokens
         most = max(most, len(engine.scheduler.running))
         counters = engine.counters()
-        assert engine.slots.held == counters.state_held == len(engine.scheduler.running) <= 2
+        assert counters.state_held == len(engine.scheduler.running) <= 2
+        assert engine.slots.held == counters.state_held + counters.state_kept
         assert counters.state_slots == 2
     assert most == 2
     assert [done[i] for i in ids] == [tokens for tokens, _ in runs]
-    assert engine.slots.available == 2
+    assert engine.counters().state_held == 0 and engine.counters().state_kept == 2
+    assert engine.scheduler.kept.reused == 0  # no prompt extends another's tokens: kept states only gave way
 
 
 def test_abort_frees_the_slot(hybrid_checkpoint):
@@ -163,7 +170,8 @@ def test_abort_frees_the_slot(hybrid_checkpoint):
     assert done[ids[1]].reason == "abort"
     for rid, i in ((ids[0], 0), (ids[2], 2), (later, 3)):
         assert done[rid].generation.tokens == runs[i][0]
-    assert engine.slots.available == 3 and engine.counters().held == 0
+    assert engine.counters().state_held == 0 and engine.counters().held == 0
+    assert engine.counters().state_kept == 3  # the three that finished; the aborted one kept nothing
 
 
 def test_pool_sizes_count_the_slot_bytes(hybrid_checkpoint, monkeypatch):
@@ -223,3 +231,68 @@ def test_a_dense_model_beside_keeps_its_prefix_cache(hybrid_checkpoint, tiny_che
     assert [dense_done[i] for i in [first, *later]] == expected
     assert engine.counters().cache.hits >= 3 * (len(shared) // 8)
     assert [hybrid_done[i] for i in hybrid_ids] == [tokens for tokens, _ in runs]
+
+
+def _turn(engine: ServingDriver, prompt: list[int], **request) -> tuple[list[int], object]:
+    gen = engine.generate(GenerateRequest(prompt, max_new=NEW, ignore_eos=True, **request))
+    return gen.tokens, gen.timings
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_next_turn_continues_from_the_kept_state(hybrid_checkpoint, arch):
+    """A conversation's next turn (the first prompt, the reply, then new tokens longer than a prefill chunk)
+    prefills only its new tokens, from the state the first turn left, and gives the tokens and logits of a fresh
+    engine's run of the whole prompt."""
+    path = hybrid_checkpoint(arch)
+    engine = _engine(path)
+    first = _prompt(0, 23)
+    reply, _ = _turn(engine, first)
+    assert engine.counters().state_kept == 1 and engine.counters().state_held == 0
+    turn = first + reply + _prompt(5, 19)
+    tokens, timings = _turn(engine, turn)
+    assert timings.reused_tokens == len(first) + len(reply) - 1  # the reply's last token was picked, never run
+    assert timings.prefill_tokens == len(turn) - timings.reused_tokens
+    fresh = _engine(path)
+    expected, fresh_timings = _turn(fresh, turn)
+    assert fresh_timings.reused_tokens == 0
+    assert tokens == expected
+    seen, want = np.stack(engine.logits[1]), np.stack(fresh.logits[0])
+    assert np.abs(seen - want).max() / np.abs(want).max() <= LOGIT_BOUND
+    assert engine.scheduler.kept.reused == 1 and engine.counters().state_kept == 1  # the second turn's, now
+
+
+def test_only_an_exact_extension_under_the_same_salt_continues(hybrid_checkpoint):
+    path = hybrid_checkpoint("lfm2")
+    engine = _engine(path)
+    first = _prompt(0, 23)
+    reply, _ = _turn(engine, first)
+    held = first + reply[:-1]
+    changed = held[:10] + [held[10] + 1] + held[11:] + [9, 9]  # one token inside differs
+    assert _turn(engine, changed)[1].reused_tokens == 0
+    assert _turn(engine, held)[1].reused_tokens == 0  # nothing left to run: its logits need the last token run
+    assert _turn(engine, first + reply + [9, 9])[1].reused_tokens == len(held)
+    salted = engine.submit(GenerateRequest(first + reply + [9, 9, 9], max_new=NEW, ignore_eos=True),
+                           cache_salt="another tenant")
+    finished = [e for e in _drain(engine) if isinstance(e, FinishedEvent) and e.request_id == salted]
+    assert finished[0].generation.timings.reused_tokens == 0
+
+
+def _drain(engine: ServingDriver) -> list:
+    events = []
+    while engine.in_flight:
+        events.extend(engine.step())
+    return events
+
+def test_kept_states_give_way_and_a_dropped_turn_is_recomputed(hybrid_checkpoint):
+    """With two slots, the states of finished requests are given back to the next requests; a next turn whose
+    state was given back prefills its whole prompt and gives the same tokens."""
+    path = hybrid_checkpoint("mamba2")
+    engine = _engine(path, state_slots=2)
+    first = _prompt(0, 23)
+    reply, _ = _turn(engine, first)
+    turn = first + reply + _prompt(5, 19)
+    engine.generate_batch(_requests()[:3])  # three more requests: the first turn's state gives way
+    assert engine.counters().state_kept == 2 and engine.counters().preemptions == 0
+    tokens, timings = _turn(engine, turn)
+    assert timings.reused_tokens == 0
+    assert tokens == _turn(_engine(path), turn)[0]

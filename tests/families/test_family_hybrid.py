@@ -96,6 +96,21 @@ def test_conversation_continues_from_the_state_and_restarts_otherwise(hybrid_che
         assert got.tokens == fresh.tokens
 
 
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+def test_encode_starts_every_call_from_zeroed_state(hybrid_checkpoint, arch):
+    """Driver.encode (the final hidden states) of a row is the same every time and beside another row: no call
+    reads the recurrent state an earlier one left."""
+    d = driver(hybrid_checkpoint(arch))
+    d.prepare_encode(2, 24)
+    row, other = PROMPT[:24], PROMPT[24:40]
+    once = d.encode([row])[0]
+    twice = d.encode([row])[0]
+    beside = d.encode([other, row])[1]
+    assert np.abs(once).max() > 0
+    np.testing.assert_array_equal(once, twice)
+    np.testing.assert_allclose(beside, once, rtol=1e-5, atol=1e-5 * np.abs(once).max())
+
 def test_state_kinds_of_each_layer(hybrid_checkpoint):
     lfm2 = driver(hybrid_checkpoint("lfm2")).program(StepShape(1, 1, 128)).graph
     kinds = {name: (spec.kind, spec.shape) for name, spec in lfm2.state.items()}

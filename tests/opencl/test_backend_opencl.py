@@ -213,3 +213,10 @@ def test_poot_plugins_lists_the_opencl_devices(capsys):
     for device in opencl_devices():
         assert f"device {device.platform.name.strip()} / {device.name.strip()}" in text
 
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen3next"])
+def test_hybrid_families_are_refused_by_the_op_they_need(hybrid_checkpoint, opencl, arch):
+    from helpers.hybrid import assert_backend_refuses_by_name
+
+    assert_backend_refuses_by_name(opencl, hybrid_checkpoint(arch))

@@ -307,3 +307,10 @@ def test_paged_layout_is_refused_by_name(tiny_checkpoint, vulkan):
     with pytest.raises(Unsupported) as err:
         vulkan.prepare(graph, vulkan.upload(handle.store()))
     assert err.value.reason is Reason.SHAPE and "paged KV" in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen3next"])
+def test_hybrid_families_are_refused_by_the_op_they_need(hybrid_checkpoint, vulkan, arch):
+    from helpers.hybrid import assert_backend_refuses_by_name
+
+    assert_backend_refuses_by_name(vulkan, hybrid_checkpoint(arch))
