@@ -162,12 +162,17 @@ def test_granite_experts_are_views_of_the_joined_tensors(hybrid_checkpoint, tmp_
 
 @pytest.fixture(scope="module")
 def converted(hybrid_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """arch -> the f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint."""
+    """arch -> the f32 GGUF file llama.cpp's own convert_hf_to_gguf.py writes for the tiny checkpoint; arch + "-bf16"
+    -> the bf16 file it writes for the bfloat16 checkpoint."""
     fetched(CONVERTER / "convert_hf_to_gguf.py")
     root = tmp_path_factory.mktemp("gguf")
     made = {arch: root / f"{arch}.gguf" for arch in GGUF_ARCHS}
     jobs = [{"src": str(hub_layer_names(hybrid_checkpoint(arch), root / arch)), "outtype": "f32", "out": str(out)}
             for arch, out in made.items()]
+    for arch in GGUF_ARCHS:
+        out = made[f"{arch}-bf16"] = root / f"{arch}-bf16.gguf"
+        source = hub_layer_names(hybrid_checkpoint(arch, torch.bfloat16), root / f"{arch}-bf16")
+        jobs.append({"src": str(source), "outtype": "bf16", "out": str(out)})
     (root / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(tiny.__file__).with_name("llama_cpp_convert.py")), str(CONVERTER),
                           str(root / "jobs.json")], capture_output=True, text=True, timeout=600)
@@ -203,6 +208,16 @@ def test_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_ch
     out = model.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert ours == out[0, 20:].tolist()
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_bf16_file_from_llama_cpp_converter_matches_transformers(converted, hybrid_checkpoint, arch):
+    """The converter's bf16 file of the bfloat16 checkpoint: logits of a chunked prefill within bf16 rounding of
+    transformers' on that checkpoint."""
+    handle = ModelHandle.load(converted[f"{arch}-bf16"])
+    d = Driver(handle, open_executor("cpu"), DriverOptions(capacity=128, prefill_chunk=16))
+    ref = tiny.reference_logits(hybrid_checkpoint(arch, torch.bfloat16), PROMPT)
+    assert tiny.rel_error(d.logits(PROMPT), ref) <= 2e-2
 
 
 def test_granitehybrid_file_with_rope_is_refused_by_name(converted, tmp_path):
