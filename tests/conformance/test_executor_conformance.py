@@ -63,6 +63,7 @@ class Profile:
     bf16: dict[str, Parity] = field(default_factory=dict)
     moe: dict[str, Parity] = field(default_factory=dict)
     moe_prompt: list[int] = field(default_factory=list)
+    hybrid: dict[str, Parity] = field(default_factory=dict)  # hybrid family (recurrent layers) -> float32 parity
     cross_encoder: dict[str, float] = field(default_factory=dict)  # arch -> relative Frobenius bound
     protocol: tuple[tuple[str, torch.dtype], ...] = ()  # (family, dtype) pairs for the greedy / output-lifetime checks
 
@@ -72,6 +73,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 MOE_PROMPT = [(7 * i + 3) % 250 + 2 for i in range(14)]
+HYBRID_PROMPT = _prompt(13, 40)  # longer than the Triton scan chunk (32), so a prefill crosses a chunk
 
 
 def _cuda() -> Any:
@@ -112,6 +114,7 @@ def _profiles() -> dict[str, Profile]:
             moe_prompt=MOE_PROMPT,
             cross_encoder={"bert": 1e-4, "xlm-roberta": 1e-4},
             protocol=(("llama", torch.float32),),
+            hybrid={a: Parity(((40, 40), (6, 1)), 1e-3, capacity=48, layers=2) for a in ("lfm2", "mamba2")},
         )
         # Under the interpreter the three tunings still launch different kernels (GEMM tiles of 128x128, 64x128
         # and 64x64; recorded with launch.record_launches), so each row checks its own configuration.
@@ -131,6 +134,8 @@ def _profiles() -> dict[str, Profile]:
             moe_prompt=MOE_PROMPT,
             cross_encoder={"bert": 1e-2},
             protocol=(("llama", torch.bfloat16),),
+            hybrid={a: Parity(((40, 40), (40, 16), (16, 1)), 1e-2, capacity=48, generate=(20, 12))
+                    for a in ("lfm2", "mamba2", "granitemoehybrid", "bamba", "qwen3next")},
         )
     if _vulkan_present():
         vulkan_prompt = _prompt(7, 40)
@@ -221,6 +226,19 @@ def test_moe_and_latent_attention_match_cpu(moe_checkpoint, shallow, backend, ar
     ops = {n.op for n in trace(handle, StepShape(1, 1, 32)).nodes}
     assert "moe" in ops and (("mla_attention" in ops) == arch.startswith("deepseek"))
     check_parity(handle, backend, PROFILES[backend].moe_prompt, parity)
+
+
+@pytest.mark.parametrize("backend,arch", cases("hybrid"))
+def test_hybrid_families_match_cpu(hybrid_checkpoint, shallow, backend, arch):
+    """Short convolutions, the Mamba2 scan, the gated delta rule beside attention: one prefill longer than the
+    Triton chunk, chunked prefills, one-token steps, greedy tokens."""
+    from helpers import hybrid
+
+    parity = PROFILES[backend].hybrid[arch]
+    path = hybrid_checkpoint(arch) if parity.layers is None else shallow(hybrid.build, arch, parity.layers)
+    handle = ModelHandle.load(path)
+    assert trace(handle, StepShape(1, 1, 32)).recurrent()
+    check_parity(handle, backend, HYBRID_PROMPT, parity)
 
 
 @pytest.mark.parametrize("backend,arch", cases("cross_encoder"))
