@@ -170,6 +170,30 @@ def decode_floor(model: Any, prompt: int, new: int, bandwidth: float, dtype: tor
     return bandwidth / (text_bytes(model) + kv)
 
 
+def profile_first_token(vlm: Any, prompt: list[int], img: Image.Image, cuda: bool) -> None:
+    """A diagnostic: one image to its first token under the Python profiler (host time by function), then under
+    torch's profiler (device time by kernel)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    vlm.generate(prompt, [img], max_new=1, ignore_eos=True)
+    if cuda:
+        torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    if not cuda:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        vlm.generate(prompt, [img], max_new=1, ignore_eos=True)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def run(name: str, args: argparse.Namespace, bandwidth: float | None) -> dict[str, Any]:
     from poot_family_vision.runtime import VisionLanguageModel
 
@@ -205,6 +229,8 @@ def run(name: str, args: argparse.Namespace, bandwidth: float | None) -> dict[st
             hf_runs.append(clock.figures())
             tokens["transformers"] = clock.tokens
             common.log(f"  round {r}: poot {poot_runs[-1]}, transformers {hf_runs[-1]}")
+        if args.profile:
+            profile_first_token(vlm, prompt, img, cuda)
         del model, vlm
         if cuda:
             torch.cuda.empty_cache()
@@ -243,6 +269,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="cpu: 2; cuda: 3")
     parser.add_argument("--qwen-side", type=int, default=None, help="cpu: 224; cuda: 448")
     parser.add_argument("--out", default=None, help="results/<out>.json (caption, caption_cuda)")
+    parser.add_argument("--profile", action="store_true", help="then profile one image to its first token")
     args = parser.parse_args()
     for flag, default in DEFAULTS[args.backend].items():
         if getattr(args, flag) is None:
