@@ -37,6 +37,8 @@ for s in "$@"; do
     gputest) stage gputest 330 python3 -m pytest -q -k "not ahead_of_time" tests/triton tests/conformance ;;
     serve) stage serve 200 python3 bench/gpu_serve.py --no-hf --workloads 256x1024+128 --orders ahead,pipelined ;;
     caption) stage caption 120 python3 bench/caption.py --backend cuda --repeats 2 ;;
+    captionprof) stage captionprof 150 python3 bench/caption.py --backend cuda --models qwen2.5-vl-3b --repeats 1 \
+      --profile --out caption_profile ;;
     structured) stage structured 200 python3 bench/structured.py --backend cuda ;;
     serveload) stage serveload 200 python3 bench/serve_load.py --random llama3_8b --workloads 256x1024+128 ;;
     multi) stage multi 120 python3 bench/multi_device.py --layers 2 --new 8 ;;
