@@ -122,6 +122,18 @@ class _Meta:
         self.text = text
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self._pieces: dict[int, tuple[str, str]] = {}  # choice index -> piece(): the chunk's text before and after
+
+    def piece(self, index: int, text: str) -> str:
+        """chunk() of choice `index`'s piece of text with no logprobs, from a template made once per choice: the
+        same bytes, without building and serializing the whole body for every token."""
+        template = self._pieces.get(index)
+        if template is None:
+            marker = json.dumps("\x00piece\x00")
+            template = self._pieces[index] = tuple(self.chunk([_delta(self, index, "\x00piece\x00", None)])
+                                                   .split(marker))
+        head, tail = template
+        return head + json.dumps(text, ensure_ascii=False) + tail
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
@@ -205,7 +217,8 @@ class _Choice:
 
 async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], meta: _Meta,
                   usage: bool) -> AsyncIterator[str]:
-    """Every choice's items, as they come, merged into one event stream."""
+    """Every choice's items, as they come, merged into one event stream. The chunks of every item already
+    queued go out in one write (a stream that fell behind catches up in one send, not one a token)."""
     merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(index: int, ticket: Ticket) -> None:
@@ -215,40 +228,53 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
             if isinstance(item, Done | Rejected):
                 return
 
-    pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    # one choice (the common case) reads its ticket's queue itself; several are merged by one task each
+    single = tickets[0].items if len(tickets) == 1 else None
+    pumps = [] if single is not None else [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    source: asyncio.Queue[Any] = single if single is not None else merged
+
+    async def next_item() -> tuple[int, Any]:
+        return (0, await single.get()) if single is not None else await merged.get()
+
     open_ = len(tickets)
     choices = [_Choice(meta, plan) for plan in plans]
     completion_tokens = 0
+    out: list[str] = []  # chunks not yet written
     try:
         if meta.chat:
-            yield meta.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for i in range(len(tickets))])
+            out.append(meta.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None} for i in range(len(tickets))]))
             if plans[0].echo is not None:
-                yield meta.chunk([_delta(meta, i, plans[0].echo, None) for i in range(len(tickets))])
+                out.append(meta.chunk([_delta(meta, i, plans[0].echo, None) for i in range(len(tickets))]))
         started = [meta.chat] * len(tickets)  # whether the choice's first chunk (completions: its prompt's) went
         while open_:
-            index, item = await merged.get()
+            if out and source.empty():
+                yield "".join(out)
+                out = []
+            index, item = await next_item()
             choice = choices[index]
             if not started[index] and (isinstance(item, Piece) or isinstance(item, Done)
                                        and item.event.reason != "error"):
                 started[index] = True
                 first = _prompt_chunk(meta, index, plans[index], choice, tickets[index].prompt_steps)
                 if first is not None:
-                    yield first
+                    out.append(first)
             if isinstance(item, Piece):
                 piece, calls = (item.text, []) if choice.tools is None else choice.tools.push(item.text)
                 logprobs = choice.logprob_block(meta, [] if item.logprobs is None else [item.logprobs])
-                if piece or (logprobs is not None and not calls):
-                    yield meta.chunk([_delta(meta, index, piece, None, logprobs)])
+                if piece and logprobs is None:
+                    out.append(meta.piece(index, piece))
+                elif piece or (logprobs is not None and not calls):
+                    out.append(meta.chunk([_delta(meta, index, piece, None, logprobs)]))
                     logprobs = None
                 if calls:
-                    yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
-                                       "finish_reason": None}])
+                    out.append(meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
+                                            "finish_reason": None}]))
             elif isinstance(item, Done):
                 open_ -= 1
                 if item.event.reason == "error":
-                    yield _event(error_body(f"generation failed: {item.event.error}", "server_error", None,
-                                            "generation_error"))
+                    yield "".join(out) + _event(error_body(f"generation failed: {item.event.error}", "server_error",
+                                                           None, "generation_error"))
                     return
                 generation = item.event.generation
                 completion_tokens += len(generation.tokens)
@@ -256,20 +282,20 @@ async def _stream(state: ServerState, tickets: list[Ticket], plans: list[Plan], 
                 if choice.tools is not None:
                     rest, calls = choice.tools.end()
                     if rest:
-                        yield meta.chunk([_delta(meta, index, rest, None)])
+                        out.append(meta.chunk([_delta(meta, index, rest, None)]))
                     if calls:
-                        yield meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
-                                           "finish_reason": None}])
+                        out.append(meta.chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                                "finish_reason": None}]))
                     if choice.tools.called:
                         reason = finish(choice.tools.tools, choice.tools.sent, reason)
                 left = (generation.logprobs or [])[choice.streamed :]
-                yield meta.chunk([_delta(meta, index, "", reason, choice.logprob_block(meta, left))])
+                out.append(meta.chunk([_delta(meta, index, "", reason, choice.logprob_block(meta, left))]))
             elif isinstance(item, Rejected):
-                yield _event(error_body(str(item.error), "server_error", None, "server_stopping"))
+                yield "".join(out) + _event(error_body(str(item.error), "server_error", None, "server_stopping"))
                 return
         if usage:
-            yield meta.chunk([], _usage(meta.prompt_tokens, completion_tokens))
-        yield "data: [DONE]\n\n"
+            out.append(meta.chunk([], _usage(meta.prompt_tokens, completion_tokens)))
+        yield "".join(out) + "data: [DONE]\n\n"
     finally:  # the client went away (cancelled here) or an error ended the stream: nothing keeps running
         state.abort(tickets)
         for p in pumps:
