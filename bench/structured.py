@@ -217,7 +217,6 @@ def cuda_main(args: argparse.Namespace) -> dict[str, Any]:
         from poot_backend_cuda.executor import CudaExecutor
 
         ex, sync = CudaExecutor(), torch.cuda.synchronize
-        ex.staged_masks = args.mask_copy == "staged"
     prompts = [text.encode(f"{PROMPT} Person {i + 1} of {args.batch}:") for i in range(args.batch)]
     longest = max(len(p) for p in prompts)
     result: dict[str, Any] = {"model": f"Llama-3-8B shape, random bf16, {hf['num_hidden_layers']} layers",
@@ -256,8 +255,6 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="cuda: the path on the CPU with a small model")
     ap.add_argument("--mask-threads", type=int, default=None,
                     help="llguidance's threads for a batch of masks (a diagnostic; default: mask_threads())")
-    ap.add_argument("--mask-copy", choices=("staged", "plain"), default="staged",
-                    help="cuda: masks through kept pinned buffers (the default) or plain copies (a diagnostic)")
     ap.add_argument("--out", default=None, help="the JSON written: bench/results/OUT.json")
     args = ap.parse_args()
     if args.threads:
@@ -274,7 +271,6 @@ def main() -> None:
     load = os.getloadavg()
     result["load_average"] = load
     result["mask_threads"] = constraints.mask_threads()
-    result["mask_copy"] = args.mask_copy
     if args.mask_threads:
         result["mask_threads_flag"] = args.mask_threads
     log(f"one-time: tokenizer trie {1e3 * result['tokenizer_trie_seconds']:.0f} ms (once per vocabulary), schema "

@@ -40,8 +40,6 @@ for s in "$@"; do
     captionprof) stage captionprof 150 python3 bench/caption.py --backend cuda --models qwen2.5-vl-3b --repeats 1 \
       --profile --out caption_profile ;;
     structured) stage structured 200 python3 bench/structured.py --backend cuda ;;
-    structuredplain) stage structuredplain 200 python3 bench/structured.py --backend cuda --mask-copy plain \
-      --out structured_cuda_plain ;;
     serveload) stage serveload 200 python3 bench/serve_load.py --random llama3_8b --workloads 256x1024+128 ;;
     multi) stage multi 120 python3 bench/multi_device.py --layers 2 --new 8 ;;
     verify) stage verify 150 python3 bench/gpu_verify.py --widths 9,16 ;;

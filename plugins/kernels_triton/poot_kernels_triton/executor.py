@@ -29,7 +29,7 @@ from poot_core import (
 )
 from poot_core.graph import StateSpec, handled_ops
 
-from .host import DeviceIds, PinnedStage
+from .host import DeviceIds
 from .program import GRAPH_TOKENS, Binder, TritonProgram
 from .tuning import Tuning
 from .weights import DENSE_KINDS, DeviceWeights, activation_dtype, check_kind, packed_kinds, to_device, weight_bytes
@@ -58,10 +58,6 @@ class TritonExecutor:
     name = "triton"
     tuning: Tuning | None = None  # None: the kernels pick tiles from the device they run on
     use_cuda_graphs = True  # False runs decode steps eagerly (debugging, profiling each kernel)
-    # constraint masks cross to the GPU through kept pinned buffers (False: plain copies, which wait for the step
-    # in flight; bench/structured.py --mask-copy plain compares the two)
-    staged_masks = True
-    _mask_stages: tuple[PinnedStage, PinnedStage] | None = None
     # Step sizes for a GPU (DriverOptions left unset take them): prompts in chunks of 2048 tokens; serving
     # steps of up to 2048 tokens over up to 256 sequences (on the H200, 64 x (512 + 256) ran at 3159 output
     # tok/s with a 2048-token budget against 1306 with the CPU's 256), and a KV pool of 80% of the memory the
@@ -182,16 +178,10 @@ class TritonExecutor:
         from .tuning import use_tuning
 
         logits = value[0]
-        index = np.asarray(rows, dtype=np.int64) % logits.shape[0]
-        bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
-        if self.staged_masks:  # a plain copy of pageable memory waits for the step in flight (steps ahead)
-            if self._mask_stages is None:
-                self._mask_stages = (PinnedStage(self.device), PinnedStage(self.device))
-            index_on, words = self._mask_stages[0].put(index), self._mask_stages[1].put(bitmask)
-        else:
-            index_on, words = torch.from_numpy(index).to(self.device), torch.from_numpy(bitmask).to(self.device)
+        index = torch.from_numpy(np.asarray(rows, dtype=np.int64) % logits.shape[0]).to(self.device)
+        words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)).to(self.device)
         with torch.inference_mode(), use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext():
-            apply_bitmask(logits, words, index_on)
+            apply_bitmask(logits, words, index)
         return value
 
     def _argmax(self, rows: torch.Tensor) -> torch.Tensor:

@@ -25,37 +25,6 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class PinnedStage:
-    """One pinned host buffer, kept, for an array that crosses to the device every step (a constraint's masks):
-    the copy is queued on the current stream and the call returns at once. The next put waits for that copy
-    before it writes the buffer again (a step later, it has long run). Unlike to_device, no pinned block is taken
-    from torch's pool per call."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host: torch.Tensor | None = None  # uint8, pinned
-        self._copied: torch.cuda.Event | None = None
-
-    def put(self, array: np.ndarray) -> torch.Tensor:
-        array = np.ascontiguousarray(array)
-        source = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return source
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._host is None or self._host.numel() < array.nbytes:
-            self._host = torch.empty(max(array.nbytes, 2 * (self._host.numel() if self._host is not None else 0)),
-                                     dtype=torch.uint8, pin_memory=True)
-        host = self._host[: array.nbytes].view(source.dtype).view(source.shape)
-        host.copy_(source)
-        out = torch.empty(source.shape, dtype=source.dtype, device=self.device)
-        out.copy_(host, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record(torch.cuda.current_stream(self.device))
-        return out
-
-
 class DeviceIds:
     """Ids computed on the device (`device`) and their copy to the host, queued behind the kernels before it."""
 
@@ -77,4 +46,4 @@ class DeviceIds:
         return self._host.numpy()
 
 
-__all__ = ["DeviceIds", "PinnedStage", "to_device"]
+__all__ = ["DeviceIds", "to_device"]
