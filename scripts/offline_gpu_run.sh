@@ -36,6 +36,8 @@ for s in "$@"; do
   case $s in
     gputest) stage gputest 330 python3 -m pytest -q -k "not ahead_of_time" tests/triton tests/conformance ;;
     serve) stage serve 200 python3 bench/gpu_serve.py --no-hf --workloads 256x1024+128 --orders ahead,pipelined ;;
+    visiontest) stage visiontest 200 python3 -m pytest -q tests/triton/test_triton_vision.py \
+      tests/triton/test_triton_executor_ops.py tests/conformance/test_executor_conformance.py -k "not ahead_of_time" ;;
     caption) stage caption 120 python3 bench/caption.py --backend cuda --repeats 2 ;;
     captionprof) stage captionprof 150 python3 bench/caption.py --backend cuda --models qwen2.5-vl-3b --repeats 1 \
       --profile --out caption_profile ;;

@@ -83,6 +83,18 @@ def test_vision_tower_matches_cpu(pair):
     assert _rel(features, ref_features) <= BOUND
 
 
+def test_a_repeated_image_replays_the_tower_and_matches_cpu(pair):
+    """The tower's step has no state, so on a GPU its second run of a shape is captured and later ones replay
+    the CUDA graph: every run gives the CPU's features, and a second image of another size is not confused with
+    the first."""
+    cpu, gpu, _ = pair
+    for images in (IMAGES, vision.IMAGES[1:2], IMAGES, IMAGES):
+        pixels, layouts = cpu.frames(images)
+        hidden, features = gpu.encode_images(pixels, layouts)
+        ref_hidden, ref_features = cpu.encode_images(pixels, layouts)
+        assert _rel(hidden, ref_hidden) <= BOUND and _rel(features, ref_features) <= BOUND
+
+
 def test_prompt_logits_and_greedy_tokens_match_cpu(pair):
     """Every position's logits of the prompt with the image spliced in, then greedy decode steps (captured as
     CUDA graphs on a GPU): the tokens equal the CPU executor's."""

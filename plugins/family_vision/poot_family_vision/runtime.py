@@ -53,6 +53,7 @@ class VisionLanguageModel:
         # Triton executor) stays captured across requests; a prefill writes from position 0 and no step reads
         # a position its request has not written
         self._state: Any = None
+        self._no_state: dict[str, Any] = {}  # the vision tower has no state; the same empty one every run
         self._programs: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()  # see _program
         if mmproj is None:
             self.kind = images_of(handle, self.params, pan_and_scan)
@@ -94,7 +95,7 @@ class VisionLanguageModel:
         of patches [L, 1176] with each image's grid (t, h, w) in `layouts`."""
         shape, trace, inputs, key = self.kind.vision_step(pixels, layouts)
         prog, _ = self._program(shape, trace, ("vision", *key))
-        hidden, features = prog.run({}, inputs)
+        hidden, features = prog.run(self._no_state, inputs)  # one object: a captured tower replays
         return self.executor.to_numpy(hidden), self.executor.to_numpy(features)
 
     # --- text -----------------------------------------------------------------------------------------

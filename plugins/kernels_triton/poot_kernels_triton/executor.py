@@ -140,10 +140,11 @@ class TritonExecutor:
         steps = binder.bind_all()
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
         # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
-        # captured as CUDA graphs
+        # captured as CUDA graphs: decode-sized steps, and steps without state of any size (a vision tower, an
+        # encoder: their inputs are all copied through the captured buffers)
         paging = graph.shape.paging
         few_tokens = graph.shape.tokens <= GRAPH_TOKENS if paging is None else paging.decode
-        use_graph = self.use_cuda_graphs and few_tokens and not binder.host_syncs
+        use_graph = self.use_cuda_graphs and (few_tokens or not graph.state) and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:

@@ -566,40 +566,27 @@ class Binder:
         return run
 
     def op_encoder_attention(self, node: Node) -> StepFn:
-        """Bidirectional attention over each row's real tokens. A mask that is a run of ones then padding
-        (how batches are padded) goes through the flash-attention kernel with the row's length; any other
-        mask falls back to torch's attention with the mask."""
-        self.host_syncs = True  # reads each row's start or length on the host
+        """Bidirectional attention over each row's real tokens (the mask's ones), every row in one call of
+        torch's attention with the mask. Nothing is read on the host, so a step of it (a vision tower, an
+        encoder) can be captured as a CUDA graph: one launch a layer instead of one a row and a host read of
+        the rows' lengths. A row of padding only attends to its first key (its output is unused; a row with no
+        key would be NaN)."""
         q_name, k_name, v_name, mask_name = (r.name for r in node.inputs)
         scale, out, shape, act = float(node.attrs["scale"]), node.output, node.shape, self.act
 
         def run(s: Step) -> None:
             # in one dtype for the kernel (the float32 queries and keys of a rope by sections meet 16-bit values)
             q, k, v = (s.env[n].to(act) for n in (q_name, k_name, v_name))
-            mask = s.env[mask_name]
-            allowed = mask.reshape(q.shape[0], -1).bool()
-            lens = allowed.sum(dim=1)
-            tokens = allowed.shape[1]
-            prefix = torch.arange(tokens, device=allowed.device)[None, :] < lens[:, None]
-            if not bool((prefix == allowed).all()) or q.shape[-1] != v.shape[-1]:
-                o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None, None, :],
-                    scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-                ).transpose(1, 2)  # fmt: skip
-                s.env[out] = o.reshape(shape)
-                return
-            outs = []
-            for r, n in enumerate(lens.tolist()):
-                kc, vc = k[r].transpose(0, 1).contiguous(), v[r].transpose(0, 1).contiguous()
-                n = max(int(n), 1)  # a row of padding only: its output is unused, keep the kernel's bounds
-                # the kernel reads at most kv_len queries a call: padding queries (which attend to the real
-                # keys too, as on the CPU) go in further calls of n
-                parts = [
-                    ktr.prefill_attention(q[r, c : c + n].contiguous(), kc, vc, 0, scale=scale, causal=False, kv_len=n)
-                    for c in range(0, tokens, n)
-                ]
-                outs.append(torch.cat(parts))
-            s.env[out] = torch.stack(outs).reshape(shape)
+            allowed = s.env[mask_name].reshape(q.shape[0], -1).bool()
+            empty = ~allowed.any(dim=1, keepdim=True)
+            first = torch.zeros_like(allowed)
+            first[:, 0] = True
+            allowed = allowed | (empty & first)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None, None, :],
+                scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)  # fmt: skip
+            s.env[out] = o.reshape(shape)
 
         return run
 
