@@ -235,15 +235,14 @@ class Scheduler:
         if kept is not None:
             self.kept.take(kept)  # type: ignore[union-attr]
             seq.blocks, seq.slot = list(kept.blocks), kept.slot
-            seq.computed = seq.reused = computed
         else:
             hits = self._cached_prefix(seq, count=True)
             for block in hits:
                 self.pool.retain(block)
             seq.blocks = list(hits)
-            seq.computed = seq.reused = computed
             if self.slots is not None:
                 seq.slot = self.slots.allocate()
+        seq.computed = seq.reused = computed
         for _ in range(need):
             seq.blocks.append(self.pool.allocate())
         self.waiting.remove(seq)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -71,7 +70,7 @@ class StatePool:
         self._free.append(slot)
 
 
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class Kept:
     """A finished sequence's recurrent state slot and KV blocks, which hold exactly `tokens`."""
 
@@ -85,24 +84,25 @@ class KeptStates:
     """Finished sequences' states, oldest first, found again by a prompt that extends their tokens."""
 
     def __init__(self) -> None:
-        self._kept: OrderedDict[int, Kept] = OrderedDict()  # an id a kept state -> it, least recently kept first
-        self._next = 0
-        self.blocks = 0  # KV blocks the kept states hold
+        self._kept: OrderedDict[Kept, None] = OrderedDict()  # least recently kept first
         self.reused = 0  # kept states a request continued from
 
     def __len__(self) -> int:
         return len(self._kept)
 
+    @property
+    def blocks(self) -> int:
+        """KV blocks the kept states hold."""
+        return sum(len(kept.blocks) for kept in self._kept)
+
     def keep(self, kept: Kept) -> None:
-        self._kept[self._next] = kept
-        self._next += 1
-        self.blocks += len(kept.blocks)
+        self._kept[kept] = None
 
     def find(self, tokens: list[int], salt: str | None) -> Kept | None:
         """The longest kept state whose tokens begin `tokens` (at least one token of `tokens` is left to run: its
         logits pick the next token), under the same cache salt; not taken."""
         best: Kept | None = None
-        for kept in self._kept.values():
+        for kept in self._kept:
             n = len(kept.tokens)
             if (n < len(tokens) and kept.salt == salt and (best is None or n > len(best.tokens))
                     and kept.tokens[-1] == tokens[n - 1] and tokens[:n] == kept.tokens):
@@ -111,23 +111,16 @@ class KeptStates:
 
     def take(self, kept: Kept) -> None:
         """A request continues from `kept`: it owns the slot and blocks now."""
-        for key, value in self._kept.items():
-            if value is kept:
-                del self._kept[key]
-                self.blocks -= len(kept.blocks)
-                self.reused += 1
-                return
-        raise RuntimeError("a kept state taken twice")
+        del self._kept[kept]
+        self.reused += 1
 
     def oldest(self, spare: Kept | None = None) -> Kept | None:
         """Forget the least recently kept state other than `spare` and give it to the caller, who frees its slot
         and blocks; None when there is none."""
-        for key, value in self._kept.items():
-            if value is not spare:
-                del self._kept[key]
-                self.blocks -= len(value.blocks)
-                return value
-        return None
+        victim = next((kept for kept in self._kept if kept is not spare), None)
+        if victim is not None:
+            del self._kept[victim]
+        return victim
 
 
 def slot_index(batch: Iterable[tuple[Sequence, int]], seqs: int) -> np.ndarray:

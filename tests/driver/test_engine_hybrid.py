@@ -233,8 +233,8 @@ def test_a_dense_model_beside_keeps_its_prefix_cache(hybrid_checkpoint, tiny_che
     assert [hybrid_done[i] for i in hybrid_ids] == [tokens for tokens, _ in runs]
 
 
-def _turn(engine: ServingDriver, prompt: list[int], **request) -> tuple[list[int], object]:
-    gen = engine.generate(GenerateRequest(prompt, max_new=NEW, ignore_eos=True, **request))
+def _turn(engine: ServingDriver, prompt: list[int]) -> tuple[list[int], object]:
+    gen = engine.generate(GenerateRequest(prompt, max_new=NEW, ignore_eos=True))
     return gen.tokens, gen.timings
 
 
@@ -271,17 +271,9 @@ def test_only_an_exact_extension_under_the_same_salt_continues(hybrid_checkpoint
     assert _turn(engine, changed)[1].reused_tokens == 0
     assert _turn(engine, held)[1].reused_tokens == 0  # nothing left to run: its logits need the last token run
     assert _turn(engine, first + reply + [9, 9])[1].reused_tokens == len(held)
-    salted = engine.submit(GenerateRequest(first + reply + [9, 9, 9], max_new=NEW, ignore_eos=True),
-                           cache_salt="another tenant")
-    finished = [e for e in _drain(engine) if isinstance(e, FinishedEvent) and e.request_id == salted]
-    assert finished[0].generation.timings.reused_tokens == 0
-
-
-def _drain(engine: ServingDriver) -> list:
-    events = []
-    while engine.in_flight:
-        events.extend(engine.step())
-    return events
+    salted = engine.generate_batch([GenerateRequest(first + reply + [9, 9, 9], max_new=NEW, ignore_eos=True)],
+                                   cache_salt="another tenant")[0]
+    assert salted.timings.reused_tokens == 0
 
 def test_kept_states_give_way_and_a_dropped_turn_is_recomputed(hybrid_checkpoint):
     """With two slots, the states of finished requests are given back to the next requests; a next turn whose

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import transformers as tf
 
@@ -147,17 +146,3 @@ def assert_vulkan_refuses_and_triton_prepares(graph: Any, handle: Any) -> list[s
     assert len(program.steps) > 0
     return used
 
-
-def assert_backend_refuses_by_name(executor: Any, path: Any) -> None:
-    """A backend without the recurrent ops refuses a hybrid checkpoint's first step when the driver is made
-    (before any token runs), naming one of those ops, in both layouts it offers."""
-    from poot_core import Driver, DriverOptions, Layout, ModelHandle, Reason, Unsupported
-    from poot_core.graph import passes
-
-    handle = ModelHandle.load(path)
-    layouts = [Layout.CONTIGUOUS] + ([Layout.PAGED] if "paged" in executor.capabilities().layouts else [])
-    for layout in layouts:
-        with pytest.raises(Unsupported) as refused:
-            Driver(handle, executor, DriverOptions(capacity=32, kv_blocks=8)).serve(layout)
-        assert refused.value.reason is Reason.OPERATION and refused.value.name in passes.HYBRID_OPS
-        assert executor.name in str(refused.value)

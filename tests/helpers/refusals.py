@@ -1,5 +1,6 @@
 """Refusals the device backends share at prepare time: a step of more than one row, and an op they have no
-kernel for, each refused with its reason and named in the message."""
+kernel for (the hybrid families' recurrent ops among them), each refused with its reason and named in the
+message."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from helpers.graphs import trace
-from poot_core import ModelHandle, PackedWeight, Reason, StepShape, Unsupported
+from poot_core import Driver, DriverOptions, Layout, ModelHandle, PackedWeight, Reason, StepShape, Unsupported
 
 
 def check_rows_and_op_refused(executor, checkpoint: Path, op: str) -> None:
@@ -42,3 +43,17 @@ def check_gptq_upload_refused(executor) -> None:
         executor.upload(Store())
     assert err.value.reason is Reason.QUANTIZATION
     assert "gptq.4" in str(err.value) and "layer.weight" in str(err.value)
+
+
+def assert_backend_refuses_by_name(executor, path: Path) -> None:
+    """A backend without the hybrid families' recurrent ops refuses a hybrid checkpoint's first step when the
+    driver is made (before any token runs), naming one of those ops, in both layouts it offers."""
+    from poot_core.graph import passes
+
+    handle = ModelHandle.load(path)
+    layouts = [Layout.CONTIGUOUS] + ([Layout.PAGED] if "paged" in executor.capabilities().layouts else [])
+    for layout in layouts:
+        with pytest.raises(Unsupported) as refused:
+            Driver(handle, executor, DriverOptions(capacity=32, kv_blocks=8)).serve(layout)
+        assert refused.value.reason is Reason.OPERATION and refused.value.name in passes.HYBRID_OPS
+        assert executor.name in str(refused.value)

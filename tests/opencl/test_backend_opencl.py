@@ -217,6 +217,6 @@ def test_poot_plugins_lists_the_opencl_devices(capsys):
 
 @pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen3next"])
 def test_hybrid_families_are_refused_by_the_op_they_need(hybrid_checkpoint, opencl, arch):
-    from helpers.hybrid import assert_backend_refuses_by_name
+    from helpers.refusals import assert_backend_refuses_by_name
 
     assert_backend_refuses_by_name(opencl, hybrid_checkpoint(arch))

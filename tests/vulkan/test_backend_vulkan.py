@@ -311,6 +311,6 @@ def test_paged_layout_is_refused_by_name(tiny_checkpoint, vulkan):
 
 @pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen3next"])
 def test_hybrid_families_are_refused_by_the_op_they_need(hybrid_checkpoint, vulkan, arch):
-    from helpers.hybrid import assert_backend_refuses_by_name
+    from helpers.refusals import assert_backend_refuses_by_name
 
     assert_backend_refuses_by_name(vulkan, hybrid_checkpoint(arch))

@@ -577,11 +577,8 @@ class Binder:
         def run(s: Step) -> None:
             # in one dtype for the kernel (the float32 queries and keys of a rope by sections meet 16-bit values)
             q, k, v = (s.env[n].to(act) for n in (q_name, k_name, v_name))
-            allowed = s.env[mask_name].reshape(q.shape[0], -1).bool()
-            empty = ~allowed.any(dim=1, keepdim=True)
-            first = torch.zeros_like(allowed)
-            first[:, 0] = True
-            allowed = allowed | (empty & first)
+            allowed = s.env[mask_name].reshape(q.shape[0], -1) != 0  # a new tensor: written below
+            allowed[:, 0] |= ~allowed.any(dim=1)
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None, None, :],
                 scale=scale, enable_gqa=q.shape[2] != k.shape[2],
