@@ -87,7 +87,10 @@ class StepShape:
     multi-token-prediction draft reads).
     mtp: the family's multi-token-prediction step instead of the model: inputs tokens, positions and hidden
     [R, T, D] (the target's final hidden state at the position before each token); outputs logits and the
-    draft layer's own hidden state [R, T, D] (the next draft step's input)."""
+    draft layer's own hidden state [R, T, D] (the next draft step's input).
+    replayed: the caller keeps this step's program and runs it again and again over one state, always from the
+    same start positions (a vision runtime's prompt at one image size), so an executor may capture even a
+    prefill-sized step the way it captures decode steps."""
 
     rows: int
     tokens: int
@@ -97,6 +100,7 @@ class StepShape:
     paging: Paging | None = None
     carry_hidden: bool = False
     mtp: bool = False
+    replayed: bool = False
 
 
 @dataclass(frozen=True)

@@ -136,3 +136,45 @@ def test_encoder_attention_with_a_hole_in_the_mask_falls_back(tmp_path):
     binder.bind(node1)(step)
     ref1 = cpu_ops.encoder_attention(q[:1], k[:1], v[:1], mask[:1], 0.25)
     assert rel(step.env["o"][0, :4].numpy(), ref1[0, :4].numpy()) <= 1e-5
+
+
+@interpreter
+def test_a_prefill_is_captured_only_when_its_shape_says_it_is_replayed(tiny_checkpoint):
+    """A prefill-sized step with state runs eagerly (the Driver runs most prefills once: a capture would hold
+    memory for nothing) unless its shape is marked replayed (a vision runtime's prompt); decode steps always can
+    be captured."""
+    handle = ModelHandle.load(tiny_checkpoint("llama"))
+    ex = interpreted_executor()
+    ex.use_cuda_graphs = True
+    weights = ex.upload(handle.store())
+    assert ex.prepare(trace(handle, StepShape(1, 1, 32)), weights).use_graph
+    assert not ex.prepare(trace(handle, StepShape(1, 24, 32)), weights).use_graph
+    assert ex.prepare(trace(handle, StepShape(1, 24, 32, replayed=True)), weights).use_graph
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@gpu
+def test_a_captured_prefill_replays_only_from_the_starts_it_was_captured_at(tiny_checkpoint):
+    """A replayed prefill is captured at its second run from position 0; later runs from 0 replay it with their
+    own tokens, and a run from another start (which the capture fixed) runs eagerly: every run's logits equal a
+    program that never captures, run through the same sequence of steps on its own state."""
+    handle = ModelHandle.load(tiny_checkpoint("llama"))
+    shape = StepShape(1, 24, 64, replayed=True)
+    graph = trace(handle, shape)
+    runs = [(PROMPT[:1] * 24, 0), (PROMPT[:2] * 12, 0), (PROMPT[:3] * 8, 0), (PROMPT[:4] * 6, 0), (PROMPT[:6] * 4, 8)]
+    logits = []
+    for graphs in (True, False):
+        ex = TritonExecutor(0, use_graphs=graphs)
+        prog = ex.prepare(graph, ex.upload(handle.store()))
+        assert prog.use_graph == graphs
+        state = ex.allocate_state(graph)
+        out = []
+        for tokens, start in runs:
+            inputs = {"tokens": np.asarray([tokens]), "positions": np.arange(start, start + 24)[None, :]}
+            out.append(ex.to_numpy(prog.run(state, inputs)[0]))
+        logits.append(out)
+    for ours, ref in zip(*logits, strict=True):
+        assert rel(ours, ref) <= 1e-5
+    assert rel(logits[0][2], logits[0][3]) > 1e-3  # the replays saw their own tokens

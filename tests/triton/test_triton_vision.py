@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import triton  # noqa: F401 - a test dependency: missing, it must fail, not skip
+from PIL import ImageOps
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import gemma3_vision as g3
@@ -107,6 +108,18 @@ def test_prompt_logits_and_greedy_tokens_match_cpu(pair):
     assert _rel(ours, blank) > 1e-3
     assert gpu.generate(prompt, IMAGES, max_new=NEW, ignore_eos=True) == \
         cpu.generate(prompt, IMAGES, max_new=NEW, ignore_eos=True)
+
+
+def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
+    """The runtime's prompt step is marked replayed: on a GPU (except Gemma 3's, whose group attention reads the
+    groups on the host) its second run of a shape is captured and later ones replay it, with each run's own
+    image features among the inputs: an image of the same size with other pixels between two runs of the first
+    gives its own logits, and every run gives the CPU's."""
+    cpu, gpu, prompt = pair
+    flipped = [ImageOps.mirror(IMAGES[0])]
+    for images in (IMAGES, IMAGES, flipped, IMAGES):
+        assert _rel(gpu.logits(prompt, images), cpu.logits(prompt, images)) <= BOUND
+    assert _rel(cpu.logits(prompt, flipped), cpu.logits(prompt, IMAGES)) > 1e-3
 
 
 def _group_reference(q, k, v, start, groups, window):

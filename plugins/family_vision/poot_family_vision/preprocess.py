@@ -172,8 +172,19 @@ def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]
 
 
 def normalized(image: Image.Image | np.ndarray, settings: ImageSettings | SquareSettings) -> np.ndarray:
+    """float32 [3, H, W] of an RGB image [H, W, 3], rescaled and normalized as the processor does. Bytes (every
+    decoded image) go through a table of the 256 values each channel can take, computed by the same
+    arithmetic, so the result is the same bits at a fraction of the time."""
+    array = np.asarray(image)
+    if array.dtype != np.uint8:
+        return _normalized(array, settings)
+    table = _normalized(np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)[None], settings)[:, 0, :]
+    return np.stack([table[c][array[..., c]] for c in range(3)])
+
+
+def _normalized(array: np.ndarray, settings: ImageSettings | SquareSettings) -> np.ndarray:
     # transformers rescales in float64 and rounds to float32 once, then normalizes in float32
-    x = (np.asarray(image, dtype=np.float64).transpose(2, 0, 1) * settings.rescale).astype(np.float32)
+    x = (np.asarray(array, dtype=np.float64).transpose(2, 0, 1) * settings.rescale).astype(np.float32)
     mean = np.asarray(settings.mean, dtype=np.float32)[:, None, None]
     std = np.asarray(settings.std, dtype=np.float32)[:, None, None]
     return ((x - mean) / std).astype(np.float32)

@@ -118,7 +118,9 @@ class VisionLanguageModel:
             raise RequestError(f"token ids outside the vocabulary of {self.config.vocab_size}: {bad[:5]}")
         at, flat = self._image_rows(tokens, features)
         groups = bool(len(at)) and self.kind.bidirectional
-        shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits)
+        # replayed: the one state, always from position 0; an executor may capture it (the same image size and
+        # prompt length then replay)
+        shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits, replayed=True)
         mrope = self.kind.mrope
         prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope),
                                     ("text", len(at), groups, mrope))

@@ -140,12 +140,14 @@ class TritonExecutor:
         steps = binder.bind_all()
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
         # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
-        # captured as CUDA graphs: decode-sized steps, and steps without state of any size (a vision tower, an
-        # encoder: their inputs are all copied through the captured buffers)
-        paging = graph.shape.paging
-        few_tokens = graph.shape.tokens <= GRAPH_TOKENS if paging is None else paging.decode
-        use_graph = self.use_cuda_graphs and (few_tokens or not graph.state) and not binder.host_syncs
-        return TritonProgram(graph, steps, self.device, use_graph, self.tuning)
+        # captured as CUDA graphs: decode-sized steps, steps without state of any size (a vision tower, an
+        # encoder: their inputs are all copied through the captured buffers), and steps their caller marks as
+        # replayed (a vision runtime's prompt: a prefill the Driver runs once is not worth a capture's memory)
+        shape = graph.shape
+        few_tokens = shape.tokens <= GRAPH_TOKENS if shape.paging is None else shape.paging.decode
+        capturable = few_tokens or not graph.state or (shape.replayed and shape.paging is None)
+        use_graph = self.use_cuda_graphs and capturable and not binder.host_syncs
+        return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
         dtype = getattr(self, "_act_dtype", torch.bfloat16)

@@ -5,7 +5,8 @@ device; a kernel would add nothing). group_attention (Gemma 3): causal attention
 also see each other both ways. A group is one run of consecutive new tokens, so a query of a group sees every
 key up to the group's last token and a text query every key up to itself: the flash prefill kernel with a
 last visible key per query (`limits`), the window on sliding layers unchanged. Both read their step's inputs on
-the host (the index range, the groups' runs and each row's start), so such a step runs eagerly.
+the host: splice's index range is checked on the step's host inputs before it runs (so a step with images
+can be captured), group attention reads the groups' runs and each row's start, so its step runs eagerly.
 """
 
 from __future__ import annotations
@@ -26,17 +27,29 @@ if TYPE_CHECKING:
     from .program import Step
 
 
+def splice_check(node: Node) -> Callable[[dict[str, np.ndarray]], None]:
+    """The check of splice's index against the step's rows, on the host inputs before the step runs (the
+    scatter itself does not check)."""
+    i_name = node.inputs[2].name
+    rows = int(np.prod(node.shape[:-1]))  # the output has x's shape
+
+    def check(inputs: dict[str, np.ndarray]) -> None:
+        index = np.asarray(inputs[i_name]).reshape(-1)
+        if index.size and (int(index.min()) < 0 or int(index.max()) >= rows):
+            raise RequestError(f"splice index outside the step's {rows} rows")
+
+    return check
+
+
 def bind_splice(node: Node) -> Callable[[Step], None]:
-    """x [.., D] with its flat rows index [N] replaced by features [N, D] (a copy: x may be read elsewhere)."""
+    """x [.., D] with its flat rows index [N] replaced by features [N, D] (a copy: x may be read elsewhere);
+    the index is checked by splice_check before the step runs."""
     x_name, f_name, i_name = (r.name for r in node.inputs)
     out = node.output
 
     def run(s: Step) -> None:
         x = s.env[x_name]
         flat = x.reshape(-1, x.shape[-1]).clone()
-        index = s.host[i_name].reshape(-1)
-        if index.size and (int(index.min()) < 0 or int(index.max()) >= flat.shape[0]):
-            raise RequestError(f"splice index outside the step's {flat.shape[0]} rows")
         features = s.env[f_name].reshape(-1, flat.shape[-1]).to(flat.dtype)
         flat.index_copy_(0, s.env[i_name].reshape(-1), features)
         s.env[out] = flat.reshape(x.shape)
@@ -90,4 +103,4 @@ def bind_group_attention(node: Node) -> Callable[[Step], None]:
     return run
 
 
-__all__ = ["bind_group_attention", "bind_splice", "group_limits"]
+__all__ = ["bind_group_attention", "bind_splice", "group_limits", "splice_check"]

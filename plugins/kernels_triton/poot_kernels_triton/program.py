@@ -12,7 +12,7 @@ same torch.cuda API) and replayed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,9 @@ class Binder:
         self.rope_tables = rope_tables
         # set by a binding that reads device values on the host: such a step cannot be a CUDA graph
         self.host_syncs = False
+        # checks of the step's host inputs that must hold before every run, captured or not (a captured replay
+        # runs none of the bound steps)
+        self.host_checks: list[Callable[[dict[str, np.ndarray]], None]] = []
         # values computed from stored weights alone, once at binding (a convolution's kernel seen as a matrix)
         self.constants: dict[str, torch.Tensor] = {}
         self.dispatch: passes.Dispatch[StepFn] = passes.Dispatch(self, backend)
@@ -589,7 +592,7 @@ class Binder:
 
     # --- steps with images (poot-family-vision): images.py ---------------------------------------------
     def op_splice(self, node: Node) -> StepFn:
-        self.host_syncs = True  # the index range is checked on the host
+        self.host_checks.append(images.splice_check(node))
         return images.bind_splice(node)
 
     def op_group_attention(self, node: Node) -> StepFn:
@@ -626,13 +629,18 @@ class Binder:
 class TritonProgram:
     """Runs the bound steps. A step of up to GRAPH_TOKENS tokens a row (or a paged step of decode tokens only)
     is captured at its second run (per state object) as a CUDA graph whose inputs are copied into one fixed
-    device buffer before each replay. With a `tuning`, every
-    launch (eager or captured) uses that target's tiles instead of the ones the device would pick."""
+    device buffer before each replay; so is a longer step its shape marks `replayed`, whose prefill attention
+    reads the rows' start positions on the host: those are fixed at the capture, and a run from other starts
+    runs eagerly. `checks` run on the host inputs before every run. With a `tuning`, every launch (eager or
+    captured) uses that target's tiles instead of the ones the device would pick."""
 
     def __init__(
-        self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool, tuning: Tuning | None = None
+        self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool, tuning: Tuning | None = None,
+        checks: Sequence[Callable[[dict[str, np.ndarray]], None]] = (),
     ) -> None:
         self.tuning = tuning
+        self.checks = tuple(checks)
+        self._starts: np.ndarray | None = None  # the rows' start positions a captured longer step was made for
         self.graph = graph
         self.steps = steps
         self.device = device
@@ -696,9 +704,11 @@ class TritonProgram:
         """feed (ids, at, rows): tokens[0, at[i]] = ids[rows[i]] on the device before the step runs (the
         executor's run_fed)."""
         check_positions(self.graph, inputs)  # the KV write kernels index the cache by position, unchecked
+        for check in self.checks:
+            check(inputs)
         tuned = use_tuning(self.tuning) if self.tuning is not None else contextlib.nullcontext()
         with torch.inference_mode(), tuned:
-            if not self.use_graph:
+            if not self.use_graph or not self._same_starts(inputs):
                 return self._eager(state, self._fed_inputs(inputs, feed), inputs)
             if self._cuda_graph is None or self._graph_state is not state:
                 if not self._ran_once:  # a shape run once (a short prompt's prefill) is not worth a capture
@@ -709,6 +719,10 @@ class TritonProgram:
             self._cuda_graph.replay()
             # a copy, so an output survives the next replay (a few microseconds for one row of logits)
             return [o.clone() for o in self._outputs]
+
+    def _same_starts(self, inputs: dict[str, np.ndarray]) -> bool:
+        """Whether a captured longer step (if any) was made for these rows' start positions."""
+        return self._starts is None or np.array_equal(np.asarray(inputs["positions"])[:, 0], self._starts)
 
     def _load_inputs(self, inputs: dict[str, np.ndarray], feed: Feed | None = None) -> None:
         if self._copied is not None:
@@ -736,16 +750,21 @@ class TritonProgram:
         # the same K/V the replay will write again, so running them is harmless; recurrent state (which they
         # would advance) is put back as it was
         kept = {name: state[name].clone() for name, spec in self.graph.state.items() if spec.recurrent}
+        # a longer step's prefill attention reads the rows' start positions on the host, so they are fixed
+        # at the capture (run() replays only for the same starts)
+        host_in = inputs if self.graph.shape.tokens > GRAPH_TOKENS else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._eager(state, dict(env))
+                self._eager(state, dict(env), host_in)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for name, saved in kept.items():
             state[name].copy_(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._outputs = self._eager(state, dict(env))
+            self._outputs = self._eager(state, dict(env), host_in)
         self._cuda_graph = graph
         self._graph_state = state
+        if host_in is not None and "positions" in inputs:
+            self._starts = np.asarray(inputs["positions"])[:, 0].copy()
