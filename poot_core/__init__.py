@@ -19,6 +19,7 @@ from poot_core.driver.core import (
     Layout,
     Timings,
 )
+from poot_core.driver.embeddings import PromptEmbeddings
 from poot_core.driver.encoders import CrossEncoder, SentenceEncoder
 from poot_core.driver.sampling import Sampler
 from poot_core.driver.speculation import DraftPolicy
@@ -49,7 +50,20 @@ from poot_core.executor import (
 )
 from poot_core.family import DerivedWeight, Family, GGUFTensors, ModelConfig, StoredWeights, eos_ids, require_key
 from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_tensor
-from poot_core.graph import Graph, Node, Ref, StateRef, StateSpec, StepShape, Tracer, Value, ValueRef, WeightRef
+from poot_core.graph import (
+    EMBED_ROWS,
+    EMBED_VALUES,
+    Graph,
+    Node,
+    Ref,
+    StateRef,
+    StateSpec,
+    StepShape,
+    Tracer,
+    Value,
+    ValueRef,
+    WeightRef,
+)
 from poot_core.moe import Expert, by_expert, choose_experts, expert_view, experts_of
 from poot_core.plugins import hookimpl, lazy_executor, quiet_probe
 from poot_core.registry import Registry
@@ -74,5 +88,6 @@ __all__ = [
     "GGUFKeys", "GGUFNames", "split_gguf_name", "unknown_tensor", "rope_from_gguf", "eos_ids",
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
     "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
-    "lazy_executor", "quiet_probe", "collective_group", "device_greedy",
+    "lazy_executor", "quiet_probe", "collective_group", "device_greedy", "PromptEmbeddings", "EMBED_ROWS",
+    "EMBED_VALUES",
 ]

@@ -106,6 +106,9 @@ class Family(ABC):
     architectures: tuple[str, ...] = ()
     # The Hugging Face model_type whose conventions this family follows (one plugin class may serve several).
     model_type: str = ""
+    # Whether `trace` splices given embeddings into a step's rows (StepShape.embedded): the serving engine runs
+    # requests with PromptEmbeddings (images) only for such a family.
+    prompt_embeddings: bool = False
 
     def __init__(self, name: str | None = None, model_type: str | None = None,
                  architectures: tuple[str, ...] | None = None) -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from poot_core.driver.constraints import Constraint, Matcher, compile_constraint
+from poot_core.driver.embeddings import PromptEmbeddings
 from poot_core.driver.sampling import Sampler, TokenLogprobs, token_logprobs
 from poot_core.driver.speculation import (
     Draft,
@@ -103,6 +104,8 @@ class GenerateRequest:
     # Log-probabilities of every generated token and of the `logprobs` most likely alternatives (None: off;
     # 0: the token's own only), from the logits the token was picked from (sampling.token_logprobs).
     logprobs: int | None = None
+    # Embeddings given for some prompt positions (image features): the serving engine only, see PromptEmbeddings.
+    embeddings: PromptEmbeddings | None = None
 
 
 @dataclass
@@ -297,6 +300,9 @@ class Driver:
         if self.layout is None:
             self.serve()
         prompt = self._check_ids(request.prompt)
+        if request.embeddings is not None:
+            raise Unsupported(Reason.SHAPE, "prompt embeddings in the contiguous layout",
+                              "they run in the serving engine: Driver.serve(Layout.PAGED)")
         cap = self.options.capacity
         if request.max_new < -1:
             raise RequestError(f"max_new must be -1 or >= 0, got {request.max_new}")

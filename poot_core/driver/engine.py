@@ -28,6 +28,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from poot_core.driver import ahead, constraints
+from poot_core.driver import ahead, constraints, embeddings
 from poot_core.driver.constraints import Matcher
 from poot_core.driver.core import Generation, GenerationControl, Timings  # core imports this module lazily
 from poot_core.driver.kv_pool import KVPool
@@ -50,7 +51,7 @@ from poot_core.driver.stops import StopMatcher
 from poot_core.driver.token_masks import Masked
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
 from poot_core.executor import Output, Program, device_greedy_rows
-from poot_core.graph import Paging, StepShape
+from poot_core.graph import EMBED_ROWS, EMBED_VALUES, Paging, StepShape
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -208,10 +209,10 @@ class ServingDriver:
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
-    def _shape(self, tokens: int, seqs: int, decode: bool = False) -> StepShape:
+    def _shape(self, tokens: int, seqs: int, decode: bool = False, embedded: int = 0) -> StepShape:
         paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode,
                         self.slots.slots if self.slots is not None else 0)
-        return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging)
+        return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging, embedded=embedded)
 
     def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)
@@ -228,17 +229,27 @@ class ServingDriver:
         return prog
 
     # --- requests -------------------------------------------------------------------------------------
-    def _check(self, request: GenerateRequest) -> list[int]:
+    def _check(self, request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
+        """The request as the engine runs it (prompt embeddings checked, as int64 rows and float32 values) and
+        its prompt ids, or a typed refusal."""
         prompt = self.driver._check_ids(request.prompt)
         if request.max_new < -1:
             raise RequestError(f"max_new must be -1 or >= 0, got {request.max_new}")
+        if request.embeddings is not None:
+            if self.speculation is not None:
+                raise Unsupported(Reason.SHAPE, "prompt embeddings with speculative decoding",
+                                  "a verify step splices no embeddings")
+            family = self.driver.handle.family
+            request = dataclasses.replace(request, embeddings=embeddings.checked(
+                request.embeddings, len(prompt), self.driver.config.hidden_size, family.name,
+                family.prompt_embeddings))
         cap = self.capacity
         if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
             where = ("the KV capacity" if cap == self.driver.options.capacity
                      else f"the KV pool ({self.pool.blocks} blocks of {self.block_size})")
             raise CapacityError(f"prompt of {len(prompt)} tokens plus {request.max_new} new tokens can never fit "
                                 f"{where}: {cap} positions; raise the capacity or the pool, or shorten it")
-        return prompt
+        return request, prompt
 
     def submit(self, request: GenerateRequest, priority: int = 0, cache_salt: str | None = None,
                tenant: str | None = None, prompt_logprobs: int | None = None) -> int:
@@ -246,7 +257,7 @@ class ServingDriver:
         that does not compile a RequestError. Admission is fair between the tenants of one priority.
         prompt_logprobs=k: a PromptEvent with the prompt's log-probabilities and k alternatives each comes
         before the first token (computed in the prompt's own prefill, which then reads no cached block)."""
-        prompt = self._check(request)
+        request, prompt = self._check(request)
         return self._submit(request, prompt, self.driver.constraint_matcher(request), priority, cache_salt, tenant,
                             prompt_logprobs)
 
@@ -257,6 +268,7 @@ class ServingDriver:
                               "verify steps read no prompt rows; Driver.logits gives them with a prefill of its own")
         rid = self._next_id
         self._next_id += 1
+        cache_salt = embeddings.salted(cache_salt, request.embeddings)
         if prompt_logprobs is not None:
             cache_salt = self.prompt_scores.begin(rid, prompt, prompt_logprobs, cache_salt)
         seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, tenant=tenant, arrival=rid)
@@ -390,16 +402,23 @@ class ServingDriver:
         (nothing here reads device memory), the wait is in reading the output. fed: token slots whose ids the
         executor takes from the step in flight (ahead.py)."""
         n = sum(count for _, count in batch)
+        given = embeddings.step_rows(((self._requests[seq.id].request.embeddings, seq.computed, count)
+                                      for seq, count in batch), lambda e: _bucket(self._token_buckets, e))
+        embedded = 0 if given is None else len(given[0])
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
-            shape = self._shape(width, width, decode=True)
+            shape = self._shape(width, width, decode=True, embedded=embedded)
         else:
-            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)))
+            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)),
+                                embedded=embedded)
         rows = self.prompt_scores.plan(batch)
         if rows is not None and rows.extra:  # one more sequence slot per scored prompt position
             shape = self._shape(_bucket(self._token_buckets, n),
-                                _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)))
+                                _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)),
+                                embedded=embedded)
         inputs = self._inputs(shape, batch)
+        if given is not None:
+            inputs[EMBED_ROWS], inputs[EMBED_VALUES] = given
         if rows is not None:
             self.prompt_scores.point(rows, inputs["logit_index"])
         constraints.prefetch(  # the masks of the rows this step samples are built while it runs
@@ -671,7 +690,7 @@ class ServingDriver:
     def generate_batch(self, requests: list[GenerateRequest], cache_salt: str | None = None) -> list[Generation]:
         """Run every request to its end, sharing steps; generations in the requests' order. Each is checked
         before any is queued. cache_salt: as submit's (their prefix-cache blocks are shared only under it)."""
-        checked = [(r, self._check(r), self.driver.constraint_matcher(r)) for r in requests]
+        checked = [(*self._check(r), self.driver.constraint_matcher(r)) for r in requests]
         ids = [self._submit(*c, cache_salt=cache_salt) for c in checked]
         done: dict[int, Generation] = {}
         pending = set(ids)

@@ -15,6 +15,8 @@ This package is part of poot_core's public API: backend plugins import the passe
 from poot_core.graph import passes
 from poot_core.graph.buffers import BufferPool
 from poot_core.graph.ir import (
+    EMBED_ROWS,
+    EMBED_VALUES,
     RECURRENT_KINDS,
     Graph,
     Node,
@@ -31,6 +33,6 @@ from poot_core.graph.ir import (
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
 from poot_core.graph.tracer import Tracer
 
-__all__ = ["OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node", "OpSpec", "Paging", "Ref", "StateRef",
-           "StateSpec", "StepShape", "Tracer", "Value", "ValueRef", "WeightRef", "handled_ops", "passes",
-           "sequence_runs"]
+__all__ = ["EMBED_ROWS", "EMBED_VALUES", "OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node", "OpSpec",
+           "Paging", "Ref", "StateRef", "StateSpec", "StepShape", "Tracer", "Value", "ValueRef", "WeightRef",
+           "handled_ops", "passes", "sequence_runs"]

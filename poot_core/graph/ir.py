@@ -90,7 +90,11 @@ class StepShape:
     draft layer's own hidden state [R, T, D] (the next draft step's input).
     replayed: the caller keeps this step's program and runs it again and again over one state, always from the
     same start positions (a vision runtime's prompt at one image size), so an executor may capture even a
-    prefill-sized step the way it captures decode steps."""
+    prefill-sized step the way it captures decode steps.
+    embedded: rows of the step whose input embeddings are given instead of their tokens' (prompt embeddings: a
+    vision model's image features), as the step inputs EMBED_VALUES [embedded, D] and EMBED_ROWS [embedded]
+    (flat row numbers; a row may be listed more than once with the same values, to fill a bucket). Only a
+    family whose `prompt_embeddings` is true traces such a step."""
 
     rows: int
     tokens: int
@@ -101,6 +105,12 @@ class StepShape:
     carry_hidden: bool = False
     mtp: bool = False
     replayed: bool = False
+    embedded: int = 0
+
+
+# the step inputs of StepShape.embedded
+EMBED_VALUES = "embed_values"
+EMBED_ROWS = "embed_rows"
 
 
 @dataclass(frozen=True)

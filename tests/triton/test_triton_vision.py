@@ -23,7 +23,7 @@ from helpers import gemma3_vision as g3
 from helpers import qwen25vl as q25
 from helpers import tiny, vision
 from helpers.triton_mode import interpreted
-from poot_core import RequestError, StepShape, Tracer
+from poot_core import Driver, DriverOptions, Layout, ModelHandle, RequestError, StepShape, Tracer
 from poot_kernels_triton import prefill_attention
 from poot_kernels_triton.executor import TritonExecutor
 from poot_kernels_triton.images import group_limits
@@ -120,6 +120,23 @@ def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
     for images in (IMAGES, IMAGES, flipped, IMAGES):
         assert _rel(gpu.logits(prompt, images), cpu.logits(prompt, images)) <= BOUND
     assert _rel(cpu.logits(prompt, flipped), cpu.logits(prompt, IMAGES)) > 1e-3
+
+
+def test_requests_with_images_in_the_serving_engine_match_cpu(tmp_path):
+    """SmolVLM requests with images through the Triton executor's serving engine (paged steps, the image
+    features spliced in as prompt embeddings, prompts prefilled in chunks that split an image's tokens): the
+    tokens the CPU runtime gives for the same images."""
+    prompt = _smolvlm(tmp_path)
+    handle = ModelHandle.load(tmp_path)
+    driver = Driver(handle, triton_executor(), DriverOptions(capacity=64, prefill_chunk=5, block_size=4,
+                                                             step_tokens=16, max_running=4))
+    engine = driver.serve(Layout.PAGED)
+    ours = VisionLanguageModel(handle, driver.executor, capacity=64, weights=driver.weights)
+    cpu = VisionLanguageModel.load(tmp_path, capacity=64)
+    cases = [IMAGES, vision.IMAGES[1:2]]
+    gens = engine.generate_batch([ours.request(prompt, images, max_new=NEW, ignore_eos=True) for images in cases])
+    for gen, images in zip(gens, cases, strict=True):
+        assert gen.tokens == cpu.generate(prompt, images, max_new=NEW, ignore_eos=True)
 
 
 def _group_reference(q, k, v, start, groups, window):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from poot_core import ModelConfig, StepShape, Tracer, Value, trace_dense_decoder
+from poot_core import EMBED_ROWS, EMBED_VALUES, ModelConfig, StepShape, Tracer, Value, trace_dense_decoder
 from poot_family_vision.config import VisionLanguageParams, VisionParams
 
 VISION = "model.vision_model."
@@ -28,8 +28,8 @@ CONNECTOR = "model.connector.modality_projection.proj."
 class TextTracer:
     """The family's tracer seen by the dense decoder: `model.X` weights are read as `<prefix>X` (the first of
     `prefixes` the checkpoint holds an embedding table under), and with
-    `images` > 0 the token embeddings get the step inputs image_features [images, Dt] spliced in at the flat
-    rows image_index [images]; with `groups` every attention also reads the step input groups [R, T] (the
+    `images` > 0 the token embeddings get the step inputs EMBED_VALUES [images, Dt] (the image features) spliced
+    in at the flat rows EMBED_ROWS [images]; with `groups` every attention also reads the step input groups [R, T] (the
     image of each token, -1 for text)."""
 
     def __init__(self, t: Tracer, images: int = 0, prefixes: tuple[str, ...] = ("model.text_model.",),
@@ -57,8 +57,8 @@ class TextTracer:
         x = self._t.embed(table, tokens, scale)
         if not self._images:
             return x
-        features = self._t.input("image_features", (self._images, x.shape[-1]), "f32")
-        index = self._t.input("image_index", (self._images,))
+        features = self._t.input(EMBED_VALUES, (self._images, x.shape[-1]), "f32")
+        index = self._t.input(EMBED_ROWS, (self._images,))
         return self._t.splice(x, features, index)
 
     def attention(self, *args: Any, **kwargs: Any) -> Value:

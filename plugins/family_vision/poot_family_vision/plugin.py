@@ -26,19 +26,23 @@ from poot_family_vision.qwen25vl import qwen25vl_config
 
 
 class Idefics3(Family):
-    """Idefics3 / SmolVLM. Traced by the driver it is the text model alone (prompts without images); images go
-    through poot_family_vision.runtime.VisionLanguageModel."""
+    """Idefics3 / SmolVLM. Traced by the driver it is the text model, with the image features of a step's image
+    tokens spliced in when the serving engine gives them (StepShape.embedded; VisionLanguageModel.request makes
+    such requests); VisionLanguageModel runs one request with images without the engine."""
+
+    prompt_embeddings = True
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return model_config(self.name, hf)
 
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        trace_text(config, t)
+        trace_text(config, t, images=shape.embedded)
 
 
 class Gemma3(Family):
     """Gemma 3 with its vision tower (Gemma3ForConditionalGeneration). Traced by the driver it is the Gemma 3
-    text model alone; images go through poot_family_vision.runtime.VisionLanguageModel."""
+    text model alone; images go through poot_family_vision.runtime.VisionLanguageModel (not the serving engine:
+    an image's tokens attend to each other both ways, which the paged steps do not do)."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return gemma3_config(self.name, hf)
@@ -53,7 +57,8 @@ class Gemma3(Family):
 class Qwen25VL(Family):
     """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration; llama.cpp's text GGUF "qwen2vl"). Traced by the driver it
     is the Qwen2 text model alone, whose M-RoPE is the plain rope for text; images go through
-    poot_family_vision.runtime.VisionLanguageModel (a GGUF with its mmproj file)."""
+    poot_family_vision.runtime.VisionLanguageModel (a GGUF with its mmproj file; not the serving engine, whose
+    steps carry one position a token where M-RoPE needs three)."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return qwen25vl_config(self.name, hf)

@@ -19,7 +19,19 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from poot_core import Executor, ModelHandle, RequestError, StepShape, Tracer, device_greedy, open_executor
+from poot_core import (
+    EMBED_ROWS,
+    EMBED_VALUES,
+    Executor,
+    GenerateRequest,
+    ModelHandle,
+    PromptEmbeddings,
+    RequestError,
+    StepShape,
+    Tracer,
+    device_greedy,
+    open_executor,
+)
 from poot_family_vision.config import VisionLanguageParams
 from poot_family_vision.gemma3 import image_groups
 from poot_family_vision.kinds import images_of
@@ -32,9 +44,11 @@ PROGRAMS = 8  # prepared step programs kept (vision towers, prefills and the dec
 
 class VisionLanguageModel:
     def __init__(self, handle: ModelHandle, executor: Executor | str = "cpu", capacity: int = 512,
-                 mmproj: str | Path | None = None, pan_and_scan: bool = False) -> None:
+                 mmproj: str | Path | None = None, pan_and_scan: bool = False, weights: Any = None) -> None:
         """`handle` a vision-language checkpoint, or with `mmproj` (llama.cpp's vision GGUF) its text GGUF.
-        pan_and_scan: Gemma 3's crops of very wide or tall images, as Gemma3Processor(do_pan_and_scan=True)."""
+        pan_and_scan: Gemma 3's crops of very wide or tall images, as Gemma3Processor(do_pan_and_scan=True).
+        weights: the checkpoint's weights already on `executor` (a Driver's, so a serving driver and this
+        runtime hold one copy); uploaded here when None."""
         self.handle = handle
         if mmproj is not None:
             from poot_family_vision.mmproj import open_pair
@@ -47,7 +61,7 @@ class VisionLanguageModel:
         self.params: VisionLanguageParams = self.config.params
         self.executor = open_executor(executor) if isinstance(executor, str) else executor
         self.capacity = min(capacity, self.config.max_positions)
-        self.weights = self.executor.upload(store)
+        self.weights = self.executor.upload(store) if weights is None else weights
         self._shapes = store.shapes()
         # one KV state and one decode step for every request: a decode step replayed as a captured graph (the
         # Triton executor) stays captured across requests; a prefill writes from position 0 and no step reads
@@ -120,7 +134,7 @@ class VisionLanguageModel:
         groups = bool(len(at)) and self.kind.bidirectional
         # replayed: the one state, always from position 0; an executor may capture it (the same image size and
         # prompt length then replay)
-        shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits, replayed=True)
+        shape = StepShape(1, len(tokens), self.capacity, all_logits=all_logits, replayed=True, embedded=len(at))
         mrope = self.kind.mrope
         prog, graph = self._program(shape, lambda t: trace_text(self.config, t, len(at), groups, mrope),
                                     ("text", len(at), groups, mrope))
@@ -131,7 +145,7 @@ class VisionLanguageModel:
         ids = [0 if t == image_id and t >= self.config.vocab_size else t for t in tokens]
         inputs = {"tokens": np.asarray([ids], np.int64), "positions": np.arange(len(tokens))[None, :]}
         if len(at):
-            inputs |= {"image_features": flat, "image_index": at}
+            inputs |= {EMBED_VALUES: flat, EMBED_ROWS: at}
         if groups:
             inputs["groups"] = image_groups(tokens, image_id)
         extra, delta = self.kind.prompt_inputs(tokens, layouts)
@@ -150,6 +164,16 @@ class VisionLanguageModel:
         if pixels is None and images:
             pixels, layouts = self.frames(images)
         return (None if pixels is None else self.encode_images(pixels, layouts)[1]), layouts
+
+    def request(self, tokens: list[int], images: Sequence[object] = (), **fields: Any) -> GenerateRequest:
+        """A request for the serving engine (Driver.serve(Layout.PAGED)) of this checkpoint: the prompt with the
+        images' features, computed here and now by the vision tower, as the embeddings of its image tokens.
+        `fields`: GenerateRequest's others (max_new, sampler, stops, ...). Families whose image tokens need more
+        than their embeddings (Gemma 3's two-way attention, Qwen2.5-VL's M-RoPE) are refused at submit."""
+        features, _ = self._features(images, None, None)
+        at, flat = self._image_rows(list(tokens), features)
+        given = PromptEmbeddings(at, flat) if len(at) else None
+        return GenerateRequest(list(tokens), embeddings=given, **fields)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Image.Image]]:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""

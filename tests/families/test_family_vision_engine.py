@@ -1,0 +1,150 @@
+"""Images through the serving engine (Layout.PAGED, what `poot serve` runs): a SmolVLM / Idefics3 request whose
+image tokens carry the vision tower's features as prompt embeddings (VisionLanguageModel.request) gives the
+tokens and first logits of VisionLanguageModel.generate on the same image, with other requests (text only,
+other images, two images in one prompt) sharing its steps, its prompt prefilled in chunks that split an image's
+tokens, the prefix cache shared only by requests with the same image, and preemption recomputing the image rows.
+Families whose image tokens need more than embeddings are refused at submit; so are malformed embeddings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from poot_family_vision.runtime import VisionLanguageModel
+
+from helpers import gemma3_vision as g3
+from helpers import tiny, vision
+from poot_core import (
+    Driver,
+    DriverOptions,
+    GenerateRequest,
+    Layout,
+    ModelHandle,
+    PromptEmbeddings,
+    RequestError,
+    Unsupported,
+    open_executor,
+)
+
+NEW, BOUND = 4, 1e-4
+TEXT = [0, 17, 33, 48, 10, 11]
+
+
+def _prompt(images: int) -> list[int]:
+    tokens = list(TEXT)
+    for i in range(images):
+        tokens += [vision.IMAGE_TOKEN] * vision.TOKENS_PER_IMAGE + [10 + i, 60]
+    return tokens + [71, 5]
+
+
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
+    cfg, cls = vision.configs(request.param)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    tiny._randomize(model, seed=3)
+    model.save_pretrained(path)
+    tiny.save_tokenizer(path)
+    vision.processor().save_pretrained(path)
+    return path
+
+
+def _engine(handle: ModelHandle, **options):
+    """A serving driver with small chunks and steps (an image's 4 tokens cross chunk and step boundaries), and
+    the runtime on the same executor and weights."""
+    opts = DriverOptions(capacity=64, prefill_chunk=3, block_size=4, step_tokens=8, max_running=4)
+    for k, v in options.items():
+        setattr(opts, k, v)
+    driver = Driver(handle, open_executor("cpu"), opts)
+    engine = driver.serve(Layout.PAGED)
+    engine.keep_logits = True
+    return engine, VisionLanguageModel(handle, driver.executor, capacity=64, weights=driver.weights)
+
+
+def _expected(vlm: VisionLanguageModel, prompt: list[int], images) -> tuple[list[int], np.ndarray]:
+    return vlm.generate(prompt, images, max_new=NEW, ignore_eos=True), vlm.logits(prompt, images)[-1]
+
+
+def _run(engine, requests: list[GenerateRequest]) -> list:
+    ids = [engine.submit(r) for r in requests]
+    done = {}
+    while len(done) < len(ids):
+        for event in engine.step():
+            if hasattr(event, "generation"):
+                done[event.request_id] = event.generation
+    return [(done[i], engine.logits[i][0]) for i in ids]
+
+
+def test_requests_with_images_equal_the_runtime(checkpoint):
+    handle = ModelHandle.load(checkpoint)
+    engine, vlm = _engine(handle)
+    one, two = vision.IMAGES[:1], vision.IMAGES[1:2]
+    cases = [(_prompt(1), one), (_prompt(1), two), (_prompt(2), vision.IMAGES), (TEXT + [71, 5], [])]
+    requests = [vlm.request(p, imgs, max_new=NEW, ignore_eos=True) for p, imgs in cases]
+    assert requests[-1].embeddings is None
+    for (gen, first), (prompt, imgs) in zip(_run(engine, requests), cases, strict=True):
+        tokens, logits = _expected(vlm, prompt, imgs)
+        assert gen.tokens == tokens
+        assert float(np.abs(np.asarray(first) - logits).max() / np.abs(logits).max()) <= BOUND
+    # the comparison can fail: the same placeholder tokens with another image give other logits
+    assert float(np.abs(_expected(vlm, _prompt(1), one)[1] - _expected(vlm, _prompt(1), two)[1]).max()) > 1e-3
+
+
+def test_the_prefix_cache_is_shared_only_by_the_same_image(checkpoint):
+    handle = ModelHandle.load(checkpoint)
+    engine, vlm = _engine(handle)
+    one, two = vision.IMAGES[:1], vision.IMAGES[1:2]
+    (first, _), = _run(engine, [vlm.request(_prompt(1), one, max_new=NEW, ignore_eos=True)])
+    assert first.timings.reused_tokens == 0
+    again, other = _run(engine, [vlm.request(_prompt(1), one, max_new=NEW, ignore_eos=True),
+                                 vlm.request(_prompt(1), two, max_new=NEW, ignore_eos=True)])
+    assert again[0].timings.reused_tokens > 0 and again[0].tokens == first.tokens
+    assert other[0].timings.reused_tokens == 0  # same tokens, another image: no block of the first is read
+    assert other[0].tokens == _expected(vlm, _prompt(1), two)[0]
+
+
+def test_a_preempted_request_recomputes_its_image_rows(checkpoint):
+    """A pool of 9 blocks of 4 for four prompts of 16-20 tokens: sequences are preempted and recomputed from
+    their requests, image rows included."""
+    handle = ModelHandle.load(checkpoint)
+    engine, vlm = _engine(handle, kv_blocks=9)
+    cases = [(_prompt(2), vision.IMAGES), (_prompt(1), vision.IMAGES[1:2]), (_prompt(1), vision.IMAGES[:1]),
+             (_prompt(2), vision.IMAGES[::-1])]
+    results = _run(engine, [vlm.request(p, imgs, max_new=NEW, ignore_eos=True) for p, imgs in cases])
+    assert engine.counters().preemptions > 0
+    for (gen, _), (prompt, imgs) in zip(results, cases, strict=True):
+        assert gen.tokens == _expected(vlm, prompt, imgs)[0]
+
+
+def test_malformed_embeddings_and_other_layouts_are_refused(checkpoint):
+    handle = ModelHandle.load(checkpoint)
+    engine, vlm = _engine(handle)
+    good = vlm.request(_prompt(1), vision.IMAGES[:1], max_new=NEW)
+    rows, values = good.embeddings.rows, good.embeddings.values
+    bad = {
+        "inside the prompt": PromptEmbeddings(rows + 20, values),
+        "increase": PromptEmbeddings(rows[::-1].copy(), values),
+        "rows of": PromptEmbeddings(rows, values[:, :-1]),
+        "not finite": PromptEmbeddings(rows, np.full_like(values, np.nan)),
+    }
+    for message, e in bad.items():
+        with pytest.raises(RequestError, match=message):
+            engine.submit(GenerateRequest(good.prompt, max_new=NEW, embeddings=e))
+    assert engine.in_flight == 0
+    with pytest.raises(Unsupported, match="contiguous"):
+        Driver(handle, open_executor("cpu"), DriverOptions(capacity=64)).generate(good)
+
+
+def test_a_family_whose_images_need_more_than_embeddings_is_refused(tmp_path):
+    """Gemma 3's image tokens attend to each other both ways: its serving steps cannot take them."""
+    g3.checkpoint(tmp_path)
+    handle = ModelHandle.load(tmp_path)
+    engine = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64)).serve(Layout.PAGED)
+    hidden = handle.config().hidden_size
+    request = GenerateRequest([0, 17, 33, 48, 5], max_new=2,
+                              embeddings=PromptEmbeddings(np.array([2]), np.zeros((1, hidden), np.float32)))
+    with pytest.raises(Unsupported, match="prompt embeddings"):
+        engine.submit(request)
