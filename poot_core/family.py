@@ -120,6 +120,11 @@ class Family(ABC):
         if architectures is not None:
             self.architectures = architectures
 
+    def image_prompts(self, handle: Any, executor: Any, weights: Any) -> Any:
+        """For a family with `prompt_embeddings`: its poot_core.driver.embeddings.ImagePrompts over `handle`'s
+        weights already on `executor` (what lets `poot serve` take images), or None when it takes none."""
+        return None
+
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         raise Unsupported(Reason.REGISTRY, f"{self.name} from a Hugging Face checkpoint",
                           "this family reads no Hugging Face configs")

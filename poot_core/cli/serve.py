@@ -130,11 +130,12 @@ def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
             kind = CrossEncoder if CrossEncoder.serves(scorer) else SentenceEncoder
             reranker = EncoderWorker(kind.from_handle(scorer, runtime.open_device(args), rows=args.embedding_rows),
                                      _name(args.rerank_model))
-        bridge = EngineBridge(engine)  # type: ignore[arg-type]
+        images = handle.family.image_prompts(handle, executor, engine.driver.weights)  # None: text only
+        bridge = EngineBridge(engine, images=images)  # type: ignore[arg-type]
         bridge.start()
         runtime.log(args, f"engine: window {engine.capacity}, {engine.pool.blocks} KV blocks of "
                           f"{engine.block_size}, backend {executor.name}")
-        return Loaded(handle.text(), bridge, engine.capacity, encoder, reranker)
+        return Loaded(handle.text(), bridge, engine.capacity, encoder, reranker, images)
 
     return load
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -33,6 +34,19 @@ class PromptEmbeddings:
         h = hashlib.sha256(np.ascontiguousarray(self.rows, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.values, dtype=np.float32).tobytes())
         return h.hexdigest()
+
+
+class ImagePrompts(Protocol):
+    """A vision family's part in serving images (Family.image_prompts; `poot serve`): chat messages with image
+    parts rendered with each image's placeholder tokens, and the images' features as the prompt embeddings of
+    those tokens (the server calls `embeddings` on the engine's thread, which owns the executor)."""
+
+    def render(self, text: Any, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None) -> tuple[Any, list[Any]]:
+        """(the rendered chat, as TextServices.render_chat_value gives it, and the images in order)."""
+        ...
+
+    def embeddings(self, prompt: list[int], images: list[Any]) -> PromptEmbeddings | None: ...
 
 
 def checked(e: PromptEmbeddings, prompt_len: int, hidden: int, family: str, takes: bool) -> PromptEmbeddings:
@@ -87,4 +101,4 @@ def step_rows(chunks: Iterable[Chunk], bucket: Callable[[int], int]) -> tuple[np
     return flat, vals
 
 
-__all__ = ["PromptEmbeddings", "checked", "salted", "step_rows"]
+__all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "step_rows"]

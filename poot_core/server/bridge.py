@@ -10,18 +10,21 @@ in flight, and sleeps on the command queue when nothing is. An abort frees the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from poot_core.driver.core import GenerateRequest
+from poot_core.driver.embeddings import ImagePrompts
 from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
 from poot_core.driver.prompt_logprobs import PromptEvent
 from poot_core.driver.sampling import TokenLogprobs
-from poot_core.errors import PootError
+from poot_core.errors import PootError, RequestError
 from poot_core.server.logprobs import PromptStep, prompt_steps
 
 log = logging.getLogger("poot.server")
@@ -68,6 +71,7 @@ class Ticket:
     # ... set on the engine thread before the request's first Piece or its Done (its prompt's prefill gives them)
     prompt_steps: list[PromptStep | None] | None = None
     on_item: Callable[[Ticket, Item], None] | None = None  # runs in the loop, before the item is queued
+    images: list[Any] = field(default_factory=list)  # their features become the request's prompt embeddings
     items: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     request_id: int | None = None
@@ -105,7 +109,9 @@ class EngineStats:
 
 
 class EngineBridge:
-    def __init__(self, engine: ServingDriver, idle_wait: float = 0.5) -> None:
+    def __init__(self, engine: ServingDriver, idle_wait: float = 0.5, images: ImagePrompts | None = None) -> None:
+        """images: the model's ImagePrompts, whose vision tower this thread runs for requests with images."""
+        self.images = images
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Ticket]] = queue.SimpleQueue()
         self._tickets: dict[int, Ticket] = {}
@@ -199,6 +205,11 @@ class EngineBridge:
             return
         top = ticket.prompt_top
         try:
+            if ticket.images:  # the vision tower runs here, on the thread that owns the executor
+                if self.images is None:
+                    raise RequestError("this model reads text only")
+                embeddings = self.images.embeddings(ticket.request.prompt, ticket.images)
+                ticket.request = dataclasses.replace(ticket.request, embeddings=embeddings)
             if top is not None and self.engine.speculation is not None:  # verify steps read no prompt rows yet:
                 ticket.prompt_steps = prompt_steps(self.engine.driver, ticket.request.prompt, top)  # own prefill
                 top = None

@@ -50,7 +50,7 @@ def _state(request: Request) -> ServerState:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     loaded = state.serving(body.model)
-    plan = chat_plan(loaded.text, body, loaded.window, state.settings.tool_call_parser)
+    plan = chat_plan(loaded.text, body, loaded.window, state.settings.tool_call_parser, loaded.images)
     return await _serve(state, request, body, [plan], chat=True, text=loaded.text)
 
 
@@ -66,8 +66,9 @@ async def _serve(state: ServerState, request: Request, body: Sampling, plans: li
                  text: TextServices) -> Any:
     requests = [r for plan in plans for r in plan.requests(body.n)]
     tops = [plan.prompt_top for plan in plans for _ in range(body.n)]  # every choice scores its own prefill
+    images = [plan.images for plan in plans for _ in range(body.n)]
     try:
-        tickets = await state.submit(request.state.tenant, requests, tops)
+        tickets = await state.submit(request.state.tenant, requests, tops, images)
     except APIError as err:
         raise _name_field(err, plans) from None
     prompt_tokens = sum(len(p.prompt) for p in plans)

@@ -14,7 +14,7 @@ model's chat template or of --tool-call-parser (tool_parsers.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from poot_core.driver.constraints import (
@@ -25,6 +25,7 @@ from poot_core.driver.constraints import (
     tool_call_constraint,
 )
 from poot_core.driver.core import GenerateRequest
+from poot_core.driver.embeddings import ImagePrompts
 from poot_core.driver.sampling import Sampler
 from poot_core.errors import RequestError
 from poot_core.server import tool_parsers
@@ -58,6 +59,7 @@ class Plan:
     # when it needs no prompt logprobs (each choice's ticket gets them from the engine)
     echo: str | None = None
     prompt_top: int | None = None
+    images: list[Any] = field(default_factory=list)  # a chat's images, in order (their features: on submit)
 
     def requests(self, n: int) -> list[GenerateRequest]:
         """One engine request per choice; seeded choices get seeds seed, seed+1, ... so they differ."""
@@ -138,27 +140,38 @@ def check_window(prompt: int, max_new: int, window: int, what: str = "messages")
                        param="max_tokens" if prompt < window else what, code="context_length_exceeded")
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the template reads them: text parts joined; anything but text refused."""
+def message_dicts(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
+    """Messages as the template reads them: text parts joined; anything but text refused. images (a model that
+    takes them): a message with image_url parts keeps its parts, each image a data: URL (the server reads no
+    file and fetches no URL)."""
     out = []
     for i, message in enumerate(messages):
         m = message.model_dump(exclude_none=True)
         content = message.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.type if hasattr(part, "type") else part.get("type")
-                if kind != "text":
-                    raise refuse(f"messages.{i}.content", f"content parts of type {kind!r} are not supported; "
-                                 "this server takes text")
-                texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
-            m["content"] = "".join(texts)
+            parts = [part.model_dump() if hasattr(part, "model_dump") else dict(part) for part in content]
+            kinds = [part.get("type") for part in parts]
+            if images and "image_url" in kinds and set(kinds) <= {"text", "image_url"}:
+                for part in parts:
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if part["type"] == "image_url" and not (isinstance(url, str) and url.startswith("data:")):
+                        raise refuse(f"messages.{i}.content", "an image must be a data: URL (base64)")
+                m["content"] = parts
+            else:
+                for kind in kinds:
+                    if kind != "text":
+                        raise refuse(f"messages.{i}.content", f"content parts of type {kind!r} are not supported; "
+                                     "this server takes text" + (" and image_url parts" if images else ""))
+                m["content"] = "".join(str(part.get("text", "")) for part in parts)
         out.append(m)
     return out
 
 
-def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, parser: str | None = None) -> Plan:
-    """parser: --tool-call-parser (tool_parsers.NAMES), None for the chat template's format."""
+def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, parser: str | None = None,
+              images: ImagePrompts | None = None) -> Plan:
+    """parser: --tool-call-parser (tool_parsers.NAMES), None for the chat template's format; images: the model's
+    ImagePrompts (Family.image_prompts) when it takes images."""
     _common_refusals(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise refuse("top_logprobs", "needs logprobs: true")
@@ -171,8 +184,16 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
     limit = body.max_completion_tokens or body.max_tokens
     if body.prompt_logprobs is not None and body.stream:
         raise refuse("prompt_logprobs", "not available with stream: true")
-    messages = message_dicts(body.messages)
-    rendered = text.render_chat_value(messages, None if tools is None else tools.tools)
+    messages = message_dicts(body.messages, images is not None)
+    pictures: list[Any] = []
+    tool_list = None if tools is None else tools.tools
+    if images is not None and any(isinstance(m.get("content"), list) for m in messages):
+        try:
+            rendered, pictures = images.render(text, messages, tool_list)
+        except RequestError as err:
+            raise refuse("messages", str(err)) from None
+    else:
+        rendered = text.render_chat_value(messages, tool_list)
     prompt = text.encode_chat(rendered)
     max_new = -1 if limit is None else limit
     check_window(len(prompt), max_new, window)
@@ -182,7 +203,7 @@ def chat_plan(text: TextServices, body: ChatCompletionRequest, window: int, pars
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     echo = (messages[-1].get("content") or None) if body.echo and messages[-1]["role"] == "assistant" else None
     return Plan(prompt, max_new, stops, body, constraint, field, logprobs, tools,
-                logit_bias_of(body, text.vocab_size()), echo=echo, prompt_top=body.prompt_logprobs)
+                logit_bias_of(body, text.vocab_size()), echo=echo, prompt_top=body.prompt_logprobs, images=pictures)
 
 
 def constraint_of(body: Sampling, forced: Constraint | None = None) -> Constraint | None:

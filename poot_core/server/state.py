@@ -37,6 +37,7 @@ class Loaded:
     window: int  # positions a request may use: prompt plus new tokens
     encoder: Any = None  # encoders.EncoderWorker of --embedding-model
     reranker: Any = None  # ... of --rerank-model
+    images: Any = None  # the model's ImagePrompts when it takes images (Family.image_prompts)
 
 
 @dataclass
@@ -80,9 +81,11 @@ class ServerState:
 
     # --- admission ------------------------------------------------------------------------------------
     async def submit(self, tenant: Tenant, requests: list[GenerateRequest],
-                     prompt_tops: list[int | None] | None = None) -> list[Ticket]:
+                     prompt_tops: list[int | None] | None = None,
+                     images: list[list[Any]] | None = None) -> list[Ticket]:
         """Queue the requests of one HTTP request (all or none); 429 over a tenant limit or a full queue.
-        prompt_tops: per request, the alternatives its prompt's log-probabilities need (None: none)."""
+        prompt_tops: per request, the alternatives its prompt's log-probabilities need (None: none); images: per
+        request, the images whose features its image tokens take (on the engine's thread)."""
         loaded = self.need()
         n = len(requests)
         limit = self.settings.max_running + self.settings.max_queued
@@ -100,8 +103,8 @@ class ServerState:
         loop = asyncio.get_running_loop()
         account = _Accounting(self, tenant)
         salt = tenant.salt if self.keys else None
-        tickets = [Ticket(loop, r, tenant.priority, salt, tenant.name, top, on_item=account)
-                   for r, top in zip(requests, prompt_tops or [None] * n, strict=True)]
+        tickets = [Ticket(loop, r, tenant.priority, salt, tenant.name, top, on_item=account, images=pics)
+                   for r, top, pics in zip(requests, prompt_tops or [None] * n, images or [[]] * n, strict=True)]
         for t in tickets:
             loaded.bridge.submit(t)
         for t in tickets:  # every one accepted, or the whole request is refused

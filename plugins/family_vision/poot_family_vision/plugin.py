@@ -38,6 +38,11 @@ class Idefics3(Family):
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
         trace_text(config, t, images=shape.embedded)
 
+    def image_prompts(self, handle: Any, executor: Any, weights: Any) -> Any:
+        from poot_family_vision.runtime import VisionLanguageModel  # the runtime imports this module
+
+        return VisionLanguageModel(handle, executor, weights=weights)
+
 
 class Gemma3(Family):
     """Gemma 3 with its vision tower (Gemma3ForConditionalGeneration). Traced by the driver it is the Gemma 3

@@ -170,17 +170,26 @@ class VisionLanguageModel:
         images' features, computed here and now by the vision tower, as the embeddings of its image tokens.
         `fields`: GenerateRequest's others (max_new, sampler, stops, ...). Families whose image tokens need more
         than their embeddings (Gemma 3's two-way attention, Qwen2.5-VL's M-RoPE) are refused at submit."""
+        return GenerateRequest(list(tokens), embeddings=self.embeddings(tokens, list(images)), **fields)
+
+    def render(self, text: Any, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> tuple[Any, list[Image.Image]]:
+        """(the rendered chat, each image's placeholder expanded to its image tokens, and the images) of a chat
+        whose messages may hold image parts (see messages.py); `text` the checkpoint's TextServices."""
+        plain, images = split_images(messages)
+        texts = [self.kind.text(self.kind.frames(i)[1]) for i in images]
+        return expand_images(text.render_chat_value(plain, tools), self.kind.placeholder, texts), images
+
+    def embeddings(self, prompt: list[int], images: list[Any]) -> PromptEmbeddings | None:
+        """The images' features as the embeddings of the prompt's image tokens (None without images)."""
         features, _ = self._features(images, None, None)
-        at, flat = self._image_rows(list(tokens), features)
-        given = PromptEmbeddings(at, flat) if len(at) else None
-        return GenerateRequest(list(tokens), embeddings=given, **fields)
+        at, flat = self._image_rows(list(prompt), features)
+        return PromptEmbeddings(at, flat) if len(at) else None
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Image.Image]]:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
-        plain, images = split_images(messages)
         text = self.handle.text()
-        texts = [self.kind.text(self.kind.frames(i)[1]) for i in images]
-        rendered = expand_images(text.render_chat_value(plain), self.kind.placeholder, texts)
+        rendered, images = self.render(text, messages)
         return text.encode_chat(rendered), images
 
     def chat(self, messages: list[dict[str, Any]], max_new: int = 32) -> tuple[list[int], str]:

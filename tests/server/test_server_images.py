@@ -1,0 +1,84 @@
+"""`poot serve` of a vision-language checkpoint (a tiny SmolVLM-style Idefics3 with SmolVLM's chat template)
+through the official openai client: a chat whose messages hold images as data: URLs is answered with the tokens
+VisionLanguageModel.chat gives for the same messages, streamed or not, beside text-only chats sharing its steps;
+a file path or a web URL as an image is a 400 (the server reads no file and fetches nothing), and so is an
+image part the model's template does not place."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import openai
+import pytest
+from poot_family_vision.runtime import VisionLanguageModel
+
+from helpers import vision
+from helpers.server import MODEL_NAME
+
+MAX_NEW = 6
+
+
+def _url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat(images, question: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": _url(i)}} for i in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, _, _ = vision.chat_checkpoint(tmp_path_factory.mktemp("idefics3-chat"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(serve, checkpoint):
+    return serve("-m", str(checkpoint), "--max-running", "4")
+
+
+def test_chats_with_images_equal_the_runtime(server, checkpoint):
+    chats = [_chat(vision.IMAGES[:1], "What is this?"), _chat(vision.IMAGES, "Compare them."),
+             _chat(vision.IMAGES[1:], "What is this?"), [{"role": "user", "content": "Just text."}]]
+    client = openai.AsyncOpenAI(base_url=server.base, api_key="none")
+
+    async def ask(messages, stream: bool) -> str:
+        if not stream:
+            r = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_NEW,
+                                                     temperature=0)
+            return r.choices[0].message.content
+        pieces = []
+        async for chunk in await client.chat.completions.create(model=MODEL_NAME, messages=messages, stream=True,
+                                                                max_tokens=MAX_NEW, temperature=0):
+            pieces.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+        return "".join(pieces)
+
+    async def main():
+        return await asyncio.gather(*(ask(m, i % 2 == 1) for i, m in enumerate(chats)))
+
+    replies = asyncio.run(main())
+    vlm = VisionLanguageModel.load(checkpoint)
+    for messages, reply in zip(chats, replies, strict=True):
+        ids, want = vlm.chat(messages, max_new=MAX_NEW)
+        assert reply == want, (ids, reply)
+    # the comparison can fail: the two single-image chats differ only in their image
+    assert vlm.chat(chats[0], max_new=MAX_NEW)[0] != vlm.chat(chats[2], max_new=MAX_NEW)[0]
+
+
+def test_images_that_are_not_data_urls_are_refused(server, tmp_path):
+    file = tmp_path / "a.png"
+    vision.IMAGES[0].save(file)
+    client = openai.OpenAI(base_url=server.base, api_key="none")
+    for url in (str(file), "https://example.com/a.png"):
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "hi"}]}]
+        with pytest.raises(openai.BadRequestError, match="data: URL"):
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(openai.BadRequestError, match="image"):
+        client.chat.completions.create(model=MODEL_NAME, messages=bad, max_tokens=2)
