@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import gemma3_vision as g3
-from helpers import tiny, vision
+from helpers import vision
 from poot_core import (
     Driver,
     DriverOptions,
@@ -41,15 +40,7 @@ def _prompt(images: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
 def checkpoint(request, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp(request.param)
-    cfg, cls = vision.configs(request.param)
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    tiny._randomize(model, seed=3)
-    model.save_pretrained(path)
-    tiny.save_tokenizer(path)
-    vision.processor().save_pretrained(path)
-    return path
+    return vision.checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _engine(handle: ModelHandle, **options):

@@ -47,6 +47,18 @@ def configs(arch: str, vocab: int = 256) -> tuple[Any, type]:
     return cfg, tf.Idefics3ForConditionalGeneration
 
 
+def checkpoint(path: Path, arch: str = "smolvlm", seed: int = 3) -> Path:
+    """A tiny random Idefics3 / SmolVLM saved at `path` with the test tokenizer and an unsplit processor."""
+    cfg, cls = configs(arch)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    tiny._randomize(model, seed=seed)
+    model.save_pretrained(path)
+    tiny.save_tokenizer(path)
+    processor().save_pretrained(path)
+    return path
+
+
 def processor(split: bool = False) -> tf.Idefics3ImageProcessorPil:
     return tf.Idefics3ImageProcessorPil(do_image_splitting=split, size={"longest_edge": 2 * IMAGE_SIZE},
                                         max_image_size={"longest_edge": IMAGE_SIZE})

@@ -41,13 +41,7 @@ def triton_executor() -> TritonExecutor:
 
 
 def _smolvlm(path: Path) -> list[int]:
-    cfg, cls = vision.configs("smolvlm")
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    tiny._randomize(model, seed=3)
-    model.save_pretrained(path)
-    tiny.save_tokenizer(path)
-    vision.processor().save_pretrained(path)
+    vision.checkpoint(path)
     return [0, 17, 33, 48, 10, 11] + [vision.IMAGE_TOKEN] * vision.TOKENS_PER_IMAGE + [10, 60, 71, 5]
 
 
