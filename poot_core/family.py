@@ -106,9 +106,6 @@ class Family(ABC):
     architectures: tuple[str, ...] = ()
     # The Hugging Face model_type whose conventions this family follows (one plugin class may serve several).
     model_type: str = ""
-    # Whether `trace` splices given embeddings into a step's rows (StepShape.embedded): the serving engine runs
-    # requests with PromptEmbeddings (images) only for such a family.
-    prompt_embeddings: bool = False
 
     def __init__(self, name: str | None = None, model_type: str | None = None,
                  architectures: tuple[str, ...] | None = None) -> None:
@@ -119,6 +116,21 @@ class Family(ABC):
             self.model_type = model_type
         if architectures is not None:
             self.architectures = architectures
+
+    def prompt_embeddings(self, config: ModelConfig) -> bool:
+        """Whether `trace` splices given embeddings into a step's rows (StepShape.embedded): the serving engine
+        runs requests with PromptEmbeddings (images) only for such a checkpoint."""
+        return False
+
+    def rope_sections(self, config: ModelConfig) -> int:
+        """How many sections of positions the family's rope can turn by (StepShape.sections; Qwen2.5-VL's
+        M-RoPE: 3); 0: one position a token. A request's PromptEmbeddings then carry positions by section."""
+        return 0
+
+    def step_constants(self, config: ModelConfig, shape: StepShape) -> dict[str, Any]:
+        """Step inputs of fixed value that the family's trace of `shape` reads (M-RoPE's section masks), which
+        the serving engine adds to every step of that shape."""
+        return {}
 
     def image_prompts(self, handle: Any, executor: Any, weights: Any) -> Any:
         """For a family with `prompt_embeddings`: its poot_core.driver.embeddings.ImagePrompts over `handle`'s

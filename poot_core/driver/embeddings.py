@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from poot_core.errors import Reason, RequestError, Unsupported
+from poot_core.graph.ir import SECTION_POSITIONS
 
 
 @dataclass
@@ -25,14 +26,20 @@ class PromptEmbeddings:
     """Prompt positions whose input embeddings are given instead of their tokens' (a vision model's image
     features: VisionLanguageModel.request makes them): rows int [N], strictly increasing positions of the
     prompt; values float32 [N, hidden]. The serving engine (Layout.PAGED) of a family that takes them
-    (Family.prompt_embeddings) runs such a request."""
+    (Family.prompt_embeddings) runs such a request. For a family whose rope turns by sections
+    (Family.rope_sections: Qwen2.5-VL's M-RoPE), positions int [sections, len(prompt)] are every prompt token's
+    rope positions, and a later token's are its index plus `offset` in every section."""
 
     rows: np.ndarray
     values: np.ndarray
+    positions: np.ndarray | None = None
+    offset: int = 0
 
     def digest(self) -> str:
         h = hashlib.sha256(np.ascontiguousarray(self.rows, dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.values, dtype=np.float32).tobytes())
+        if self.positions is not None:
+            h.update(np.ascontiguousarray(self.positions, dtype=np.int64).tobytes() + str(self.offset).encode())
         return h.hexdigest()
 
 
@@ -49,8 +56,10 @@ class ImagePrompts(Protocol):
     def embeddings(self, prompt: list[int], images: list[Any]) -> PromptEmbeddings | None: ...
 
 
-def checked(e: PromptEmbeddings, prompt_len: int, hidden: int, family: str, takes: bool) -> PromptEmbeddings:
-    """The embeddings as int64 rows and float32 values, or a typed refusal naming what is wrong."""
+def checked(e: PromptEmbeddings, prompt_len: int, hidden: int, family: str, takes: bool,
+            sections: int = 0) -> PromptEmbeddings:
+    """The embeddings as int64 rows and positions and float32 values, or a typed refusal naming what is wrong.
+    sections: the family's (Family.rope_sections); with them, positions are required."""
     if not takes:
         raise Unsupported(Reason.OPERATION, f"prompt embeddings for {family}",
                           "this family's serving step does not splice given embeddings")
@@ -65,7 +74,18 @@ def checked(e: PromptEmbeddings, prompt_len: int, hidden: int, family: str, take
     values = values.astype(np.float32)
     if not np.all(np.isfinite(values)):
         raise RequestError("prompt embeddings hold a value that is not finite")
-    return PromptEmbeddings(rows.astype(np.int64), values)
+    positions = e.positions
+    if (positions is None) != (sections == 0):
+        raise RequestError(f"{family} takes prompt embeddings with rope positions in {sections} sections"
+                           if sections else f"{family} ropes by one position a token: give no positions")
+    if positions is not None:
+        positions = np.asarray(positions)
+        if positions.shape != (sections, prompt_len) or not np.issubdtype(positions.dtype, np.integer):
+            raise RequestError(f"rope positions of shape {positions.shape}: [{sections}, {prompt_len}] expected")
+        if positions.min() < 0 or int(positions.max()) + max(int(e.offset), 0) >= 2**31:
+            raise RequestError("rope positions must be non-negative")
+        positions = positions.astype(np.int64)
+    return PromptEmbeddings(rows.astype(np.int64), values, positions, int(e.offset))
 
 
 def salted(salt: str | None, e: PromptEmbeddings | None) -> str | None:
@@ -101,4 +121,25 @@ def step_rows(chunks: Iterable[Chunk], bucket: Callable[[int], int]) -> tuple[np
     return flat, vals
 
 
-__all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "step_rows"]
+def section_positions(chunks: Iterable[Chunk], sections: int, tokens: int) -> dict[str, np.ndarray] | None:
+    """The step inputs of StepShape.sections ([1, tokens] each, padding 0) when a chunk's embeddings carry rope
+    positions, else None: a prompt token's from its request, any other token its position plus the request's
+    offset (0 without embeddings) in every section."""
+    chunks = list(chunks)
+    if not any(e is not None and e.positions is not None for e, _, _ in chunks):
+        return None
+    out = np.zeros((sections, 1, tokens), np.int64)
+    offset = 0
+    for e, start, count in chunks:
+        index = np.arange(start, start + count)
+        if e is None or e.positions is None:
+            out[:, 0, offset : offset + count] = index
+        else:
+            prompt = min(max(e.positions.shape[1] - start, 0), count)  # of these tokens, the prompt's
+            out[:, 0, offset : offset + prompt] = e.positions[:, start : start + prompt]
+            out[:, 0, offset + prompt : offset + count] = index[prompt:] + e.offset
+        offset += count
+    return {name: out[i] for i, name in enumerate(SECTION_POSITIONS[:sections])}
+
+
+__all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "section_positions", "step_rows"]

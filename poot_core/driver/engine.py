@@ -209,10 +209,12 @@ class ServingDriver:
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
-    def _shape(self, tokens: int, seqs: int, decode: bool = False, embedded: int = 0) -> StepShape:
+    def _shape(self, tokens: int, seqs: int, decode: bool = False, embedded: int = 0,
+               sections: int = 0) -> StepShape:
         paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode,
                         self.slots.slots if self.slots is not None else 0)
-        return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging, embedded=embedded)
+        return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging, embedded=embedded,
+                         sections=sections)
 
     def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)
@@ -242,7 +244,7 @@ class ServingDriver:
             family = self.driver.handle.family
             request = dataclasses.replace(request, embeddings=embeddings.checked(
                 request.embeddings, len(prompt), self.driver.config.hidden_size, family.name,
-                family.prompt_embeddings))
+                family.prompt_embeddings(self.driver.config), family.rope_sections(self.driver.config)))
         cap = self.capacity
         if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
             where = ("the KV capacity" if cap == self.driver.options.capacity
@@ -402,23 +404,26 @@ class ServingDriver:
         (nothing here reads device memory), the wait is in reading the output. fed: token slots whose ids the
         executor takes from the step in flight (ahead.py)."""
         n = sum(count for _, count in batch)
-        given = embeddings.step_rows(((self._requests[seq.id].request.embeddings, seq.computed, count)
-                                      for seq, count in batch), lambda e: _bucket(self._token_buckets, e))
-        embedded = 0 if given is None else len(given[0])
+        chunks = [(self._requests[seq.id].request.embeddings, seq.computed, count) for seq, count in batch]
+        given = embeddings.step_rows(chunks, lambda e: _bucket(self._token_buckets, e))
+        extra = {"embedded": 0 if given is None else len(given[0])}
+        if any(e is not None and e.positions is not None for e, _, _ in chunks):
+            extra["sections"] = self.driver.handle.family.rope_sections(self.driver.config)
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
-            shape = self._shape(width, width, decode=True, embedded=embedded)
+            shape = self._shape(width, width, decode=True, **extra)
         else:
-            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)),
-                                embedded=embedded)
+            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)), **extra)
         rows = self.prompt_scores.plan(batch)
         if rows is not None and rows.extra:  # one more sequence slot per scored prompt position
             shape = self._shape(_bucket(self._token_buckets, n),
-                                _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)),
-                                embedded=embedded)
+                                _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)), **extra)
         inputs = self._inputs(shape, batch)
         if given is not None:
             inputs[EMBED_ROWS], inputs[EMBED_VALUES] = given
+        if shape.sections:
+            inputs |= embeddings.section_positions(chunks, shape.sections, shape.tokens) or {}
+            inputs |= self.driver.handle.family.step_constants(self.driver.config, shape)
         if rows is not None:
             self.prompt_scores.point(rows, inputs["logit_index"])
         constraints.prefetch(  # the masks of the rows this step samples are built while it runs

@@ -94,7 +94,10 @@ class StepShape:
     embedded: rows of the step whose input embeddings are given instead of their tokens' (prompt embeddings: a
     vision model's image features), as the step inputs EMBED_VALUES [embedded, D] and EMBED_ROWS [embedded]
     (flat row numbers; a row may be listed more than once with the same values, to fill a bucket). Only a
-    family whose `prompt_embeddings` is true traces such a step."""
+    family whose `prompt_embeddings(config)` is true traces such a step.
+    sections: the rope turns each token by one position per section of its features (Qwen2.5-VL's M-RoPE): the
+    positions are the step inputs SECTION_POSITIONS[:sections], each [rows, tokens] (attention still places a
+    token's keys by `positions`); 0: by `positions` alone."""
 
     rows: int
     tokens: int
@@ -106,11 +109,13 @@ class StepShape:
     mtp: bool = False
     replayed: bool = False
     embedded: int = 0
+    sections: int = 0
 
 
-# the step inputs of StepShape.embedded
+# the step inputs of StepShape.embedded and StepShape.sections
 EMBED_VALUES = "embed_values"
 EMBED_ROWS = "embed_rows"
+SECTION_POSITIONS = ("rope_t", "rope_h", "rope_w")
 
 
 @dataclass(frozen=True)

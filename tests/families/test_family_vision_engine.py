@@ -14,6 +14,7 @@ import pytest
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import gemma3_vision as g3
+from helpers import qwen25vl as q25
 from helpers import vision
 from poot_core import (
     Driver,
@@ -28,19 +29,14 @@ from poot_core import (
 )
 
 NEW, BOUND = 4, 1e-4
-TEXT = [0, 17, 33, 48, 10, 11]
 
 
-def _prompt(images: int) -> list[int]:
-    tokens = list(TEXT)
-    for i in range(images):
-        tokens += [vision.IMAGE_TOKEN] * vision.TOKENS_PER_IMAGE + [10 + i, 60]
-    return tokens + [71, 5]
-
-
-@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3", "qwen2_5_vl"])
 def checkpoint(request, tmp_path_factory) -> Path:
-    return vision.checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param != "qwen2_5_vl":
+        return vision.checkpoint(path, request.param)
+    return q25.chat_checkpoint(path)[0]  # its tokenizer holds the image token (the engine streams the text)
 
 
 def _engine(handle: ModelHandle, **options):
@@ -59,6 +55,10 @@ def _expected(vlm: VisionLanguageModel, prompt: list[int], images) -> tuple[list
     return vlm.generate(prompt, images, max_new=NEW, ignore_eos=True), vlm.logits(prompt, images)[-1]
 
 
+def _close(first, logits: np.ndarray) -> bool:
+    return float(np.abs(np.asarray(first) - logits).max() / np.abs(logits).max()) <= BOUND
+
+
 def _run(engine, requests: list[GenerateRequest]) -> list:
     ids = [engine.submit(r) for r in requests]
     done = {}
@@ -73,28 +73,32 @@ def test_requests_with_images_equal_the_runtime(checkpoint):
     handle = ModelHandle.load(checkpoint)
     engine, vlm = _engine(handle)
     one, two = vision.IMAGES[:1], vision.IMAGES[1:2]
-    cases = [(_prompt(1), one), (_prompt(1), two), (_prompt(2), vision.IMAGES), (TEXT + [71, 5], [])]
+    cases = [(vision.prompt_for(vlm, imgs), imgs) for imgs in (one, two, vision.IMAGES, [])]
     requests = [vlm.request(p, imgs, max_new=NEW, ignore_eos=True) for p, imgs in cases]
     assert requests[-1].embeddings is None
     for (gen, first), (prompt, imgs) in zip(_run(engine, requests), cases, strict=True):
         tokens, logits = _expected(vlm, prompt, imgs)
-        assert gen.tokens == tokens
-        assert float(np.abs(np.asarray(first) - logits).max() / np.abs(logits).max()) <= BOUND
-    # the comparison can fail: the same placeholder tokens with another image give other logits
-    assert float(np.abs(_expected(vlm, _prompt(1), one)[1] - _expected(vlm, _prompt(1), two)[1]).max()) > 1e-3
+        assert gen.tokens == tokens and _close(first, logits)
+    # the comparison can fail: the prompt's logits with the image differ from its logits with a blank one
+    frames, layouts = vlm.frames(one)
+    blank = vlm.logits(cases[0][0], pixels=np.zeros_like(frames), layouts=layouts)[-1]
+    assert float(np.abs(_expected(vlm, cases[0][0], one)[1] - blank).max()) > 1e-3
 
 
 def test_the_prefix_cache_is_shared_only_by_the_same_image(checkpoint):
     handle = ModelHandle.load(checkpoint)
     engine, vlm = _engine(handle)
-    one, two = vision.IMAGES[:1], vision.IMAGES[1:2]
-    (first, _), = _run(engine, [vlm.request(_prompt(1), one, max_new=NEW, ignore_eos=True)])
+    one = vision.IMAGES[:1]
+    other_image = [vision.IMAGES[0].transpose(0)]  # mirrored: the same size, so the same prompt tokens
+    prompt = vision.prompt_for(vlm, one)
+    (first, _), = _run(engine, [vlm.request(prompt, one, max_new=NEW, ignore_eos=True)])
     assert first.timings.reused_tokens == 0
-    again, other = _run(engine, [vlm.request(_prompt(1), one, max_new=NEW, ignore_eos=True),
-                                 vlm.request(_prompt(1), two, max_new=NEW, ignore_eos=True)])
+    again, other = _run(engine, [vlm.request(prompt, one, max_new=NEW, ignore_eos=True),
+                                 vlm.request(prompt, other_image, max_new=NEW, ignore_eos=True)])
     assert again[0].timings.reused_tokens > 0 and again[0].tokens == first.tokens
     assert other[0].timings.reused_tokens == 0  # same tokens, another image: no block of the first is read
-    assert other[0].tokens == _expected(vlm, _prompt(1), two)[0]
+    tokens, logits = _expected(vlm, prompt, other_image)
+    assert other[0].tokens == tokens and _close(other[1], logits)
 
 
 def test_a_preempted_request_recomputes_its_image_rows(checkpoint):
@@ -102,25 +106,32 @@ def test_a_preempted_request_recomputes_its_image_rows(checkpoint):
     their requests, image rows included."""
     handle = ModelHandle.load(checkpoint)
     engine, vlm = _engine(handle, kv_blocks=9)
-    cases = [(_prompt(2), vision.IMAGES), (_prompt(1), vision.IMAGES[1:2]), (_prompt(1), vision.IMAGES[:1]),
-             (_prompt(2), vision.IMAGES[::-1])]
+    cases = [(vision.prompt_for(vlm, imgs), imgs) for imgs in (vision.IMAGES, vision.IMAGES[1:2], vision.IMAGES[:1],
+                                                      vision.IMAGES[::-1])]
     results = _run(engine, [vlm.request(p, imgs, max_new=NEW, ignore_eos=True) for p, imgs in cases])
     assert engine.counters().preemptions > 0
-    for (gen, _), (prompt, imgs) in zip(results, cases, strict=True):
-        assert gen.tokens == _expected(vlm, prompt, imgs)[0]
+    for (gen, first), (prompt, imgs) in zip(results, cases, strict=True):
+        tokens, logits = _expected(vlm, prompt, imgs)
+        assert gen.tokens == tokens and _close(first, logits)
 
 
 def test_malformed_embeddings_and_other_layouts_are_refused(checkpoint):
     handle = ModelHandle.load(checkpoint)
     engine, vlm = _engine(handle)
-    good = vlm.request(_prompt(1), vision.IMAGES[:1], max_new=NEW)
-    rows, values = good.embeddings.rows, good.embeddings.values
+    good = vlm.request(vision.prompt_for(vlm, vision.IMAGES[:1]), vision.IMAGES[:1], max_new=NEW)
+    e = good.embeddings
+    rows, values, positions = e.rows, e.values, e.positions
     bad = {
-        "inside the prompt": PromptEmbeddings(rows + 20, values),
-        "increase": PromptEmbeddings(rows[::-1].copy(), values),
-        "rows of": PromptEmbeddings(rows, values[:, :-1]),
-        "not finite": PromptEmbeddings(rows, np.full_like(values, np.nan)),
+        "inside the prompt": PromptEmbeddings(rows + 200, values, positions, e.offset),
+        "increase": PromptEmbeddings(rows[::-1].copy(), values, positions, e.offset),
+        "rows of": PromptEmbeddings(rows, values[:, :-1], positions, e.offset),
+        "not finite": PromptEmbeddings(rows, np.full_like(values, np.nan), positions, e.offset),
     }
+    if positions is None:  # one position a token: none may be given
+        bad["give no positions"] = PromptEmbeddings(rows, values, np.zeros((3, len(good.prompt)), np.int64))
+    else:  # M-RoPE: positions by section are needed, of the prompt's length
+        bad["in 3 sections"] = PromptEmbeddings(rows, values)
+        bad["expected"] = PromptEmbeddings(rows, values, positions[:, :-1], e.offset)
     for message, e in bad.items():
         with pytest.raises(RequestError, match=message):
             engine.submit(GenerateRequest(good.prompt, max_new=NEW, embeddings=e))

@@ -116,20 +116,24 @@ def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
     assert _rel(cpu.logits(prompt, flipped), cpu.logits(prompt, IMAGES)) > 1e-3
 
 
-def test_requests_with_images_in_the_serving_engine_match_cpu(tmp_path):
-    """SmolVLM requests with images through the Triton executor's serving engine (paged steps, the image
-    features spliced in as prompt embeddings, prompts prefilled in chunks that split an image's tokens): the
-    tokens the CPU runtime gives for the same images."""
-    prompt = _smolvlm(tmp_path)
+@pytest.mark.parametrize("arch", ["smolvlm", "qwen2_5_vl"])
+def test_requests_with_images_in_the_serving_engine_match_cpu(tmp_path, arch):
+    """SmolVLM and Qwen2.5-VL requests with images through the Triton executor's serving engine (paged steps,
+    the image features spliced in as prompt embeddings, Qwen's M-RoPE by its positions by section, prompts
+    prefilled in chunks that split an image's tokens): the tokens the CPU runtime gives for the same images."""
+    if arch == "smolvlm":
+        vision.checkpoint(tmp_path)
+    else:
+        q25.chat_checkpoint(tmp_path)
     handle = ModelHandle.load(tmp_path)
     driver = Driver(handle, triton_executor(), DriverOptions(capacity=64, prefill_chunk=5, block_size=4,
                                                              step_tokens=16, max_running=4))
     engine = driver.serve(Layout.PAGED)
     ours = VisionLanguageModel(handle, driver.executor, capacity=64, weights=driver.weights)
     cpu = VisionLanguageModel.load(tmp_path, capacity=64)
-    cases = [IMAGES, vision.IMAGES[1:2]]
-    gens = engine.generate_batch([ours.request(prompt, images, max_new=NEW, ignore_eos=True) for images in cases])
-    for gen, images in zip(gens, cases, strict=True):
+    cases = [(vision.prompt_for(cpu, images), images) for images in (IMAGES, vision.IMAGES[1:2])]
+    gens = engine.generate_batch([ours.request(p, images, max_new=NEW, ignore_eos=True) for p, images in cases])
+    for gen, (prompt, images) in zip(gens, cases, strict=True):
         assert gen.tokens == cpu.generate(prompt, images, max_new=NEW, ignore_eos=True)
 
 

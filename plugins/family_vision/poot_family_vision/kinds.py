@@ -49,6 +49,11 @@ class SquareImages:
         """The text step's inputs beside tokens and positions, and the offset of later tokens' rope positions."""
         return {}, 0
 
+    def rope_positions(self, tokens: list[int], layouts: Any) -> tuple[np.ndarray | None, int]:
+        """The prompt's rope positions by section [sections, T] and the offset of later tokens' (None, 0: the
+        rope turns by the token's index)."""
+        return None, 0
+
     def step_inputs(self, position: int, delta: int) -> dict[str, np.ndarray]:
         return {}
 
@@ -165,9 +170,12 @@ class QwenImages:
         return qwen25vl.vision_shape(rows), trace, inputs, (rows, lay.windows.shape, lay.images.shape)
 
     def prompt_inputs(self, tokens: list[int], layouts: Any) -> tuple[dict[str, np.ndarray], int]:
-        grids = [tuple(int(v) for v in g) for g in (layouts or [])]
-        positions, delta = rope_positions(tokens, self.params.image_token_id, grids, self.params.vision.merge)
+        positions, delta = self.rope_positions(tokens, layouts)
         return qwen25vl.mrope_inputs(positions, self.params.mrope_sections, self.params.text.head_dim), delta
+
+    def rope_positions(self, tokens: list[int], layouts: Any) -> tuple[np.ndarray, int]:
+        grids = [tuple(int(v) for v in g) for g in (layouts or [])]
+        return rope_positions(tokens, self.params.image_token_id, grids, self.params.vision.merge)
 
     def step_inputs(self, position: int, delta: int) -> dict[str, np.ndarray]:
         positions = np.full((3, 1), position + delta, np.int64)

@@ -19,10 +19,10 @@ from poot_core import (
     trace_dense_decoder,
 )
 from poot_family_vision import qwen25vl_gguf
-from poot_family_vision.config import model_config
+from poot_family_vision.config import VisionLanguageParams, model_config
 from poot_family_vision.gemma3 import gemma3_config, projection_weight
 from poot_family_vision.model import trace_text
-from poot_family_vision.qwen25vl import qwen25vl_config
+from poot_family_vision.qwen25vl import SECTIONS, mrope_masks, qwen25vl_config
 
 
 class Idefics3(Family):
@@ -30,10 +30,11 @@ class Idefics3(Family):
     tokens spliced in when the serving engine gives them (StepShape.embedded; VisionLanguageModel.request makes
     such requests); VisionLanguageModel runs one request with images without the engine."""
 
-    prompt_embeddings = True
-
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return model_config(self.name, hf)
+
+    def prompt_embeddings(self, config: ModelConfig) -> bool:
+        return True
 
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
         trace_text(config, t, images=shape.embedded)
@@ -62,11 +63,31 @@ class Gemma3(Family):
 class Qwen25VL(Family):
     """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration; llama.cpp's text GGUF "qwen2vl"). Traced by the driver it
     is the Qwen2 text model alone, whose M-RoPE is the plain rope for text; images go through
-    poot_family_vision.runtime.VisionLanguageModel (a GGUF with its mmproj file; not the serving engine, whose
-    steps carry one position a token where M-RoPE needs three)."""
+    poot_family_vision.runtime.VisionLanguageModel (a GGUF with its mmproj file). In the serving engine a
+    step holding a request with images ropes by M-RoPE over the request's positions by section
+    (StepShape.sections), the image features spliced in as prompt embeddings; other steps by plain positions,
+    which M-RoPE equals for text."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return qwen25vl_config(self.name, hf)
+
+    def prompt_embeddings(self, config: ModelConfig) -> bool:
+        return isinstance(config.params, VisionLanguageParams)  # not the text GGUF alone
+
+    def rope_sections(self, config: ModelConfig) -> int:
+        return len(SECTIONS) if self.prompt_embeddings(config) and config.params.mrope_sections else 0
+
+    def step_constants(self, config: ModelConfig, shape: StepShape) -> dict[str, Any]:
+        if not shape.sections:
+            return {}
+        return mrope_masks(config.params.mrope_sections, config.params.text.head_dim)
+
+    def image_prompts(self, handle: Any, executor: Any, weights: Any) -> Any:
+        if not self.prompt_embeddings(handle.config()):
+            return None
+        from poot_family_vision.runtime import VisionLanguageModel  # the runtime imports this module
+
+        return VisionLanguageModel(handle, executor, weights=weights)
 
     def config_from_gguf(self, metadata: dict[str, Any], path: Path, tensors: GGUFTensors) -> ModelConfig:
         return qwen25vl_gguf.text_config(self.name, metadata, path, tensors)
@@ -78,7 +99,7 @@ class Qwen25VL(Family):
         if isinstance(config.params, DecoderParams):  # the text GGUF alone
             trace_dense_decoder(config, t)
         else:
-            trace_text(config, t)
+            trace_text(config, t, images=shape.embedded, mrope=shape.sections > 0)
 
 
 FAMILIES = [

@@ -26,6 +26,7 @@ import torch
 
 from poot_core import (
     HF_ACTIVATIONS,
+    SECTION_POSITIONS,
     ModelConfig,
     Reason,
     StepShape,
@@ -135,7 +136,7 @@ class MropeText:
     def __init__(self, inner: Any, sections: tuple[int, ...], head_dim: int) -> None:
         self._inner = inner
         shape = inner.graph.shape
-        self._positions = [inner.input(f"rope_{s}", (shape.rows, shape.tokens)) for s in SECTIONS]
+        self._positions = [inner.input(name, (shape.rows, shape.tokens)) for name in SECTION_POSITIONS]
         self._masks = [inner.input(f"rope_mask_{s}", (head_dim,), "f32") for s in SECTIONS]
 
     def __getattr__(self, name: str) -> Any:
@@ -147,9 +148,14 @@ class MropeText:
 
 def mrope_inputs(positions: np.ndarray, sections: tuple[int, ...], head_dim: int) -> dict[str, np.ndarray]:
     """The M-RoPE step inputs for positions [3, T] of one row."""
+    return ({name: positions[i][None, :].astype(np.int64) for i, name in enumerate(SECTION_POSITIONS)}
+            | mrope_masks(sections, head_dim))
+
+
+def mrope_masks(sections: tuple[int, ...], head_dim: int) -> dict[str, np.ndarray]:
+    """The step inputs that pick each section's features (fixed for a model)."""
     masks = section_masks(head_dim, sections)
-    return ({f"rope_{s}": positions[i][None, :].astype(np.int64) for i, s in enumerate(SECTIONS)}
-            | {f"rope_mask_{s}": masks[i] for i, s in enumerate(SECTIONS)})
+    return {f"rope_mask_{s}": masks[i] for i, s in enumerate(SECTIONS)}
 
 
 def vision_rope_scaling(p: QwenVisionParams) -> dict[str, Any]:

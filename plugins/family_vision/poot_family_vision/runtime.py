@@ -181,10 +181,14 @@ class VisionLanguageModel:
         return expand_images(text.render_chat_value(plain, tools), self.kind.placeholder, texts), images
 
     def embeddings(self, prompt: list[int], images: list[Any]) -> PromptEmbeddings | None:
-        """The images' features as the embeddings of the prompt's image tokens (None without images)."""
-        features, _ = self._features(images, None, None)
+        """The images' features as the embeddings of the prompt's image tokens, with the prompt's rope positions
+        by section where the model ropes so (Qwen2.5-VL's M-RoPE); None without images."""
+        features, layouts = self._features(images, None, None)
         at, flat = self._image_rows(list(prompt), features)
-        return PromptEmbeddings(at, flat) if len(at) else None
+        if not len(at):
+            return None
+        positions, offset = self.kind.rope_positions(list(prompt), layouts)
+        return PromptEmbeddings(at, flat, positions, offset)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[Image.Image]]:
         """(prompt ids, images) of a chat whose messages may hold image parts (see messages.py)."""
