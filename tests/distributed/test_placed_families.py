@@ -16,7 +16,8 @@ from poot_core.distributed import Coordinator
 PROMPT = [(5 * i + 11) % 240 + 3 for i in range(20)]  # 3 prefill chunks of 8
 NEW = 6
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-MOE = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]  # experts split by features, latent attention by heads
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]  # experts by features, latent by heads
+HYBRID = ["lfm2", "mamba2", "granitemoehybrid", "granite_moe", "bamba", "qwen3next"]  # recurrent layers and attention
 SPAWN = {"timeout": 600.0, "collective_timeout": 60.0, "threads": 1}
 
 
@@ -55,7 +56,7 @@ def check(results: dict, checkpoints: dict[str, Path]) -> list[str]:
 def test_two_ranks_equal_one_process(tiny_checkpoint, moe_checkpoint, hybrid_checkpoint, tmp_path):
     checkpoints = {arch: tiny_checkpoint(arch) for arch in DENSE}
     checkpoints |= {arch: moe_checkpoint(arch) for arch in MOE}
-    checkpoints["lfm2"] = hybrid_checkpoint("lfm2")
+    checkpoints |= {arch: hybrid_checkpoint(arch) for arch in HYBRID}
     checkpoints["one_kv_head"] = one_kv_head(tmp_path / "kv1")
     for kind in ("Q8_0", "Q4_K"):  # Q4_K's 256-value blocks: the 128-column o_proj slices stay whole (replicated)
         checkpoints[kind] = gguf_models.build(tmp_path / kind, kind)[0]

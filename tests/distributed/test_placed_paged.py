@@ -12,9 +12,10 @@ PROMPTS = [[(3 * i + 7 * r) % 240 + 3 for i in range(6 + 5 * r)] for r in range(
 NEW = 5
 
 
-def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint):
+def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint, hybrid_checkpoint):
     checkpoints = {"llama": tiny_checkpoint("llama"), "qwen3": tiny_checkpoint("qwen3"),
-                   "mixtral": moe_checkpoint("mixtral")}
+                   "mixtral": moe_checkpoint("mixtral"), "lfm2": hybrid_checkpoint("lfm2"),
+                   "granite_moe": hybrid_checkpoint("granite_moe")}  # recurrent state slots beside the KV blocks
     jobs = [(f"{name}:{placement}", str(path), placement, PROMPTS, NEW)
             for name, path in checkpoints.items() for placement in ("tensor", "pipeline")]
     placed = Coordinator.spawn(2, placed_ranks.paged_batch, jobs, timeout=600.0, collective_timeout=60.0,
