@@ -81,9 +81,27 @@ def single(path: str, prompt: list[int], new: int) -> tuple[np.ndarray, list[int
 PAGED = {**OPTIONS, "block_size": 4, "step_tokens": 24, "max_running": 4}
 
 
-def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any, list[list[int]], int]]) -> Any:
+def embeddings_refused(coordinator: Coordinator, path: str) -> str:
+    """The refusal a placed serving engine gives a request with prompt embeddings (every rank's)."""
+    from poot_core import PromptEmbeddings
+
+    handle = ModelHandle.load(Path(path))
+    driver = Driver.placed(handle, coordinator, Placement("tensor"), open_executor("cpu"), DriverOptions(**PAGED))
+    engine = driver.serve(Layout.PAGED)
+    rows = np.array([1])
+    request = GenerateRequest([0, 17, 33], max_new=2,
+                              embeddings=PromptEmbeddings(rows, np.zeros((1, handle.config().hidden_size), np.float32)))
+    try:
+        engine.submit(request)
+    except Unsupported as exc:
+        return str(exc)
+    return "accepted"
+
+
+def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any, list[Any], int]]) -> Any:
     """For each (key, checkpoint, placement, prompts, new tokens): the serving engine's (paged KV) tokens and
-    logits of each request, all submitted at once. Without a coordinator: the same on one unplaced driver."""
+    logits of each request, all submitted at once; a prompt may be a whole GenerateRequest (image features as
+    its prompt embeddings). Without a coordinator: the same on one unplaced driver."""
     out: dict[str, Any] = {}
     for key, path, placement, prompts, new in jobs:
         handle = ModelHandle.load(Path(path))
@@ -94,6 +112,7 @@ def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any,
                                    DriverOptions(**PAGED))
         engine = driver.serve(Layout.PAGED)
         engine.keep_logits = True
-        gens = engine.generate_batch([GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts])
+        gens = engine.generate_batch([p if isinstance(p, GenerateRequest) else
+                                      GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts])
         out[key] = [(g.tokens, np.stack(engine.logits[i])) for i, g in enumerate(gens)]
     return out if coordinator is None or coordinator.first else {}

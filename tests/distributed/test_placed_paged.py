@@ -30,3 +30,14 @@ def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint, hybrid_check
             if tokens != ref_tokens or not err <= 1e-5:
                 bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
     assert len(placed) == len(jobs) and bad == []
+
+
+def test_images_on_a_placed_engine_are_refused(tmp_path):
+    """A vision model's text runs placed (test_placed_families covers the families); a request with image
+    features is refused by name before any work, on every rank."""
+    from helpers import vision
+
+    path = vision.checkpoint(tmp_path / "smolvlm")
+    results = Coordinator.spawn(2, placed_ranks.embeddings_refused, str(path), timeout=600.0,
+                                collective_timeout=60.0, threads=1)
+    assert all("prompt embeddings on a placed driver" in r for r in results), results
