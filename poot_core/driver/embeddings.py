@@ -83,7 +83,7 @@ def checked(e: PromptEmbeddings, prompt_len: int, hidden: int, family: str, take
         if positions.shape != (sections, prompt_len) or not np.issubdtype(positions.dtype, np.integer):
             raise RequestError(f"rope positions of shape {positions.shape}: [{sections}, {prompt_len}] expected")
         if positions.min() < 0 or int(positions.max()) + max(int(e.offset), 0) >= 2**31:
-            raise RequestError("rope positions must be non-negative")
+            raise RequestError("rope positions must lie in [0, 2**31)")
         positions = positions.astype(np.int64)
     return PromptEmbeddings(rows.astype(np.int64), values, positions, int(e.offset))
 

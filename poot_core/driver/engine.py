@@ -206,6 +206,7 @@ class ServingDriver:
         self.ahead = ahead.StepsAhead(self)  # the next step launched before the ids are read (ahead.py)
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
         self._callbacks = 0  # requests in flight with a token callback (generate(on_token=...))
+        self._embedded: set[int] = set()  # requests in flight with prompt embeddings (steps without any skip them)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
@@ -241,7 +242,9 @@ class ServingDriver:
             if self.speculation is not None:
                 raise Unsupported(Reason.SHAPE, "prompt embeddings with speculative decoding",
                                   "a verify step splices no embeddings")
-            if getattr(self.driver.executor, "coordinator", None) is not None:
+            from poot_core.distributed.executor import PlacedExecutor
+
+            if isinstance(self.driver.executor, PlacedExecutor):
                 raise Unsupported(Reason.SHAPE, "prompt embeddings on a placed driver",
                                   "the placed steps do not splice them yet; serve images on one device")
             family = self.driver.handle.family
@@ -284,6 +287,8 @@ class ServingDriver:
         if request.logprobs is not None:
             req.logprobs = []
         self._requests[rid] = req
+        if request.embeddings is not None:
+            self._embedded.add(rid)
         if self.speculation is not None:
             self.speculation.begin(req)
         if self.keep_logits:
@@ -407,11 +412,14 @@ class ServingDriver:
         (nothing here reads device memory), the wait is in reading the output. fed: token slots whose ids the
         executor takes from the step in flight (ahead.py)."""
         n = sum(count for _, count in batch)
-        chunks = [(self._requests[seq.id].request.embeddings, seq.computed, count) for seq, count in batch]
-        given = embeddings.step_rows(chunks, lambda e: _bucket(self._token_buckets, e))
-        extra = {"embedded": 0 if given is None else len(given[0])}
-        if any(e is not None and e.positions is not None for e, _, _ in chunks):
-            extra["sections"] = self.driver.handle.family.rope_sections(self.driver.config)
+        chunks: list[embeddings.Chunk] = []
+        given, extra = None, {}
+        if self._embedded:  # a request with prompt embeddings is in flight: its rows (and rope positions)
+            chunks = [(self._requests[seq.id].request.embeddings, seq.computed, count) for seq, count in batch]
+            given = embeddings.step_rows(chunks, lambda e: _bucket(self._token_buckets, e))
+            extra["embedded"] = 0 if given is None else len(given[0])
+            if any(e is not None and e.positions is not None for e, _, _ in chunks):
+                extra["sections"] = self.driver.handle.family.rope_sections(self.driver.config)
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
             shape = self._shape(width, width, decode=True, **extra)
@@ -680,6 +688,7 @@ class ServingDriver:
             self.speculation.end(req.seq.id)
         self.prompt_scores.end(req.seq.id)
         del self._requests[req.seq.id]
+        self._embedded.discard(req.seq.id)
         now = time.perf_counter()
         first = req.first_token or now
         count = len(req.generated)
