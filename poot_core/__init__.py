@@ -53,6 +53,7 @@ from poot_core.family_gguf import GGUFKeys, GGUFNames, split_gguf_name, unknown_
 from poot_core.graph import (
     EMBED_ROWS,
     EMBED_VALUES,
+    GROUPS,
     SECTION_POSITIONS,
     Graph,
     Node,
@@ -90,5 +91,5 @@ __all__ = [
     "DraftPolicy", "Constraint", "require_key", "StoredWeights",
     "DecoderParams", "decoder_params_from_hf", "trace_dense_decoder", "HF_ACTIVATIONS",
     "lazy_executor", "quiet_probe", "collective_group", "device_greedy", "PromptEmbeddings", "EMBED_ROWS",
-    "EMBED_VALUES", "SECTION_POSITIONS",
+    "EMBED_VALUES", "SECTION_POSITIONS", "GROUPS",
 ]

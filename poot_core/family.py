@@ -122,6 +122,12 @@ class Family(ABC):
         runs requests with PromptEmbeddings (images) only for such a checkpoint."""
         return False
 
+    def embedding_groups(self, config: ModelConfig) -> bool:
+        """Whether the tokens of one run of consecutive prompt embeddings (an image) attend to each other both
+        ways (Gemma 3): the serving engine then never splits such a run between steps, and a step holding one
+        is StepShape.grouped."""
+        return False
+
     def rope_sections(self, config: ModelConfig) -> int:
         """How many sections of positions the family's rope can turn by (StepShape.sections; Qwen2.5-VL's
         M-RoPE: 3); 0: one position a token. A request's PromptEmbeddings then carry positions by section."""

@@ -52,7 +52,19 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def bind_group_attention(node: Node, args: list[Arg]) -> StepFn:
-    q, k, v, pos, kc, vc, groups = args
+    q, k, v, pos, kc, vc, groups, *paged_inputs = args
     a = node.attrs
-    return lambda e, s: group_attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s), groups(e, s),
-                                        a["scale"], a["window"], a["softcap"])
+    if node.input(7) is None:
+        return lambda e, s: group_attention(q(e, s), k(e, s), v(e, s), pos(e, s), kc(e, s), vc(e, s), groups(e, s),
+                                            a["scale"], a["window"], a["softcap"])
+    from poot_core.cpu import paged  # a paged step: the caches are pools of blocks
+
+    seqs, tables = paged_inputs
+
+    def paged_groups(e: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
+        positions, k_pool = pos(e, s), kc(e, s)
+        step = paged.plan(e, positions, seqs(e, s), tables(e, s), k_pool.shape[2])
+        return paged.group_attention(q(e, s), k(e, s), v(e, s), positions, groups(e, s), step, k_pool, vc(e, s),
+                                     a["scale"], a["window"], a["softcap"])
+
+    return paged_groups

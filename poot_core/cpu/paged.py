@@ -138,6 +138,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return out
 
 
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor,
+                    step: StepPlan, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """attention() where a sequence's run of tokens holding groups (groups [1, N], -1 for none: an image's
+    tokens, whole in the run) also attend to each other both ways: the run's blocks gathered and the
+    contiguous group attention run on them (cpu/group_attention.py), as the contiguous layout computes it."""
+    from poot_core.cpu.group_attention import group_attention as contiguous
+
+    out = attention(q, k, v, positions, step, k_pool, v_pool, scale, window, softcap)  # writes the K/V too
+    block_size = k_pool.shape[2]
+    for slot, t0, t1 in sequence_runs(step.seqs):
+        g = groups[0, t0:t1]
+        if not bool((g >= 0).any()):
+            continue
+        pos = positions[0, t0:t1]
+        start, end = int(pos[0]), int(pos[-1]) + 1
+        first = 0 if window is None else max(0, start - window + 1)
+        blocks, base = _blocks_of(step.tables[slot], first, end, block_size)
+        kc, vc = _gather(k_pool, blocks), _gather(v_pool, blocks)
+        out[:, t0:t1] = contiguous(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], (pos - base)[None], kc, vc, g[None],
+                                   scale, window, softcap)
+    return out
+
+
 def latent_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, seq_index: torch.Tensor,
                      tables: torch.Tensor, pool: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      run: Callable[..., torch.Tensor], a: dict[str, Any]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from poot_core.errors import Reason, RequestError, Unsupported
-from poot_core.graph.ir import SECTION_POSITIONS
+from poot_core.graph.ir import GROUPS, SECTION_POSITIONS
 
 
 @dataclass
@@ -142,4 +142,44 @@ def section_positions(chunks: Iterable[Chunk], sections: int, tokens: int) -> di
     return {name: out[i] for i, name in enumerate(SECTION_POSITIONS[:sections])}
 
 
-__all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "section_positions", "step_rows"]
+def spans(e: PromptEmbeddings) -> list[tuple[int, int]]:
+    """The runs of consecutive rows, as [start, end) prompt positions (an image's tokens each)."""
+    rows = e.rows
+    if not len(rows):
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, breaks)]
+
+
+def whole_spans(runs: list[tuple[int, int]], start: int, n: int, budget: int) -> int:
+    """How many of n tokens from `start` a step runs so that no run of `runs` is split: cut before a run the
+    step would enter and not finish, or take a run that starts at `start` whole (0 when it does not fit
+    `budget`: a later step with more room takes it)."""
+    end = start + n
+    for a, b in runs:
+        if a < end < b:
+            if a > start:
+                return a - start
+            return b - start if b - start <= budget else 0
+    return n
+
+
+def step_groups(chunks: Iterable[Chunk], runs: Callable[[PromptEmbeddings], list[tuple[int, int]]],
+                tokens: int) -> dict[str, np.ndarray] | None:
+    """The step input of StepShape.grouped ([1, tokens]: a run's tokens its number, -1 for the others) when a
+    chunk holds a run of its embeddings, else None."""
+    out = np.full((1, tokens), -1, np.int64)
+    offset, found = 0, False
+    for e, start, count in chunks:
+        if e is not None:
+            for g, (a, b) in enumerate(runs(e)):
+                lo, hi = max(a, start), min(b, start + count)
+                if lo < hi:
+                    out[0, offset + lo - start : offset + hi - start] = g
+                    found = True
+        offset += count
+    return {GROUPS: out} if found else None
+
+
+__all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "section_positions", "spans", "step_groups",
+           "step_rows", "whole_spans"]

@@ -51,7 +51,7 @@ from poot_core.driver.stops import StopMatcher
 from poot_core.driver.token_masks import Masked
 from poot_core.errors import CapacityError, PootError, Reason, RequestError, Unsupported
 from poot_core.executor import Output, Program, device_greedy_rows
-from poot_core.graph import EMBED_ROWS, EMBED_VALUES, Paging, StepShape
+from poot_core.graph import EMBED_ROWS, EMBED_VALUES, GROUPS, Paging, StepShape
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -207,15 +207,17 @@ class ServingDriver:
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # sequence id -> its blocks, and as an array
         self._callbacks = 0  # requests in flight with a token callback (generate(on_token=...))
         self._embedded: set[int] = set()  # requests in flight with prompt embeddings (steps without any skip them)
+        # each run of a request's embeddings attends to itself both ways (Gemma 3's images): never split
+        self._grouped = driver.handle.family.embedding_groups(driver.config)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
     def _shape(self, tokens: int, seqs: int, decode: bool = False, embedded: int = 0,
-               sections: int = 0) -> StepShape:
+               sections: int = 0, grouped: bool = False) -> StepShape:
         paging = Paging(self.pool.blocks, self.block_size, seqs, self.max_blocks, decode,
                         self.slots.slots if self.slots is not None else 0)
         return StepShape(1, tokens, self.max_blocks * self.block_size, paging=paging, embedded=embedded,
-                         sections=sections)
+                         sections=sections, grouped=grouped)
 
     def program(self, shape: StepShape) -> Program:
         prog = self._programs.get(shape)
@@ -251,6 +253,10 @@ class ServingDriver:
             request = dataclasses.replace(request, embeddings=embeddings.checked(
                 request.embeddings, len(prompt), self.driver.config.hidden_size, family.name,
                 family.prompt_embeddings(self.driver.config), family.rope_sections(self.driver.config)))
+            longest = max((b - a for a, b in embeddings.spans(request.embeddings)), default=0)
+            if self._grouped and longest > self.limits.step_tokens:
+                raise CapacityError(f"an image of {longest} tokens must run in one step, which holds at most "
+                                    f"{self.limits.step_tokens}; raise the step budget (step_tokens)")
         cap = self.capacity
         if len(prompt) + max(request.max_new, 0) > cap or len(prompt) >= cap:
             where = ("the KV capacity" if cap == self.driver.options.capacity
@@ -280,6 +286,8 @@ class ServingDriver:
         if prompt_logprobs is not None:
             cache_salt = self.prompt_scores.begin(rid, prompt, prompt_logprobs, cache_salt)
         seq = Sequence(rid, list(prompt), priority=priority, salt=cache_salt, tenant=tenant, arrival=rid)
+        if request.embeddings is not None and self._grouped:
+            seq.whole = embeddings.spans(request.embeddings)
         limit = request.max_new if request.max_new >= 0 else self.capacity - len(prompt)
         req = _Request(seq, request, len(prompt), limit, self.driver.stop_ids(request),
                        StopMatcher(request.stops), self.driver.handle.text().stream(prompt), time.perf_counter(),
@@ -413,13 +421,15 @@ class ServingDriver:
         executor takes from the step in flight (ahead.py)."""
         n = sum(count for _, count in batch)
         chunks: list[embeddings.Chunk] = []
-        given, extra = None, {}
+        given, groups, extra = None, None, {}
         if self._embedded:  # a request with prompt embeddings is in flight: its rows (and rope positions)
             chunks = [(self._requests[seq.id].request.embeddings, seq.computed, count) for seq, count in batch]
             given = embeddings.step_rows(chunks, lambda e: _bucket(self._token_buckets, e))
             extra["embedded"] = 0 if given is None else len(given[0])
             if any(e is not None and e.positions is not None for e, _, _ in chunks):
                 extra["sections"] = self.driver.handle.family.rope_sections(self.driver.config)
+            groups = embeddings.step_groups(chunks, embeddings.spans, n) if self._grouped else None
+            extra["grouped"] = groups is not None
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
             shape = self._shape(width, width, decode=True, **extra)
@@ -432,6 +442,8 @@ class ServingDriver:
         inputs = self._inputs(shape, batch)
         if given is not None:
             inputs[EMBED_ROWS], inputs[EMBED_VALUES] = given
+        if shape.grouped:
+            inputs[GROUPS] = np.pad(groups[GROUPS], ((0, 0), (0, shape.tokens - n)), constant_values=-1)
         if shape.sections:
             inputs |= embeddings.section_positions(chunks, shape.sections, shape.tokens) or {}
             inputs |= self.driver.handle.family.step_constants(self.driver.config, shape)

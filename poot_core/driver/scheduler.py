@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from poot_core.driver.embeddings import whole_spans
 from poot_core.driver.kv_pool import KVPool
 from poot_core.driver.prefix_cache import PrefixCache
 from poot_core.driver.state_pool import Kept, KeptStates, StatePool
@@ -47,6 +48,8 @@ class Sequence:
     # steps ahead (ahead.py): the index in `tokens` of a token the step in flight computes on the device and the
     # next step already runs (its id is not read yet; tokens holds 0 there), else -1
     unknown: int = -1
+    # prompt runs no step may split ([start, end): an image's tokens that attend to each other both ways)
+    whole: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def pending(self) -> int:
@@ -152,7 +155,9 @@ class Scheduler:
             if budget == 0:
                 break
             if seq in running and seq not in chosen and len(seq.tokens) - seq.computed > 1:
-                n = min(seq.pending, self.limits.prefill_chunk, budget)
+                n = self._chunk(seq, seq.computed, min(seq.pending, self.limits.prefill_chunk, budget), budget)
+                if n == 0:
+                    continue
                 preempted = self.preemptions
                 if self._reserve(seq, seq.computed + n, chosen):
                     chosen[seq] = n
@@ -168,6 +173,12 @@ class Scheduler:
             chosen[seq] = n
             budget -= n
         return list(chosen.items())
+
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, n: int, budget: int) -> int:
+        """The tokens of a prefill chunk from `start`: n, or fewer or more so that it splits none of the
+        sequence's whole runs (0: wait for a step with room for the run)."""
+        return whole_spans(seq.whole, start, n, budget) if seq.whole else n
 
     def _next_waiting(self) -> Sequence:
         """The request to admit next: of the highest priority waiting, each tenant's oldest is a candidate, and
@@ -220,7 +231,9 @@ class Scheduler:
         hits = self._cached_prefix(seq, count=False)  # none with recurrent state (no prefix cache)
         have = kept.blocks if kept is not None else hits
         computed = len(kept.tokens) if kept is not None else len(hits) * self.pool.block_size
-        n = min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget)
+        n = self._chunk(seq, computed, min(len(seq.tokens) - computed, self.limits.prefill_chunk, budget), budget)
+        if n == 0:
+            return 0
         idle_hits = sum(1 for b in hits if self.cache is not None and self.cache.is_idle(b))
         need = max(self.pool.blocks_for(computed + n) - len(have), 0)
 

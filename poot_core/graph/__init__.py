@@ -17,6 +17,7 @@ from poot_core.graph.buffers import BufferPool
 from poot_core.graph.ir import (
     EMBED_ROWS,
     EMBED_VALUES,
+    GROUPS,
     RECURRENT_KINDS,
     SECTION_POSITIONS,
     Graph,
@@ -36,4 +37,4 @@ from poot_core.graph.tracer import Tracer
 
 __all__ = ["EMBED_ROWS", "EMBED_VALUES", "OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node", "OpSpec",
            "Paging", "Ref", "StateRef", "StateSpec", "StepShape", "Tracer", "Value", "ValueRef", "WeightRef",
-           "handled_ops", "passes", "sequence_runs", "SECTION_POSITIONS"]
+           "handled_ops", "passes", "sequence_runs", "SECTION_POSITIONS", "GROUPS"]

@@ -97,7 +97,9 @@ class StepShape:
     family whose `prompt_embeddings(config)` is true traces such a step.
     sections: the rope turns each token by one position per section of its features (Qwen2.5-VL's M-RoPE): the
     positions are the step inputs SECTION_POSITIONS[:sections], each [rows, tokens] (attention still places a
-    token's keys by `positions`); 0: by `positions` alone."""
+    token's keys by `positions`); 0: by `positions` alone.
+    grouped: the step input GROUPS [rows, tokens] names a group per token (-1 for none) whose tokens, all in
+    this step, attend to each other both ways (an image's tokens in Gemma 3): attention is group_attention."""
 
     rows: int
     tokens: int
@@ -110,12 +112,14 @@ class StepShape:
     replayed: bool = False
     embedded: int = 0
     sections: int = 0
+    grouped: bool = False
 
 
 # the step inputs of StepShape.embedded and StepShape.sections
 EMBED_VALUES = "embed_values"
 EMBED_ROWS = "embed_rows"
 SECTION_POSITIONS = ("rope_t", "rope_h", "rope_w")
+GROUPS = "groups"
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ OPS: dict[str, OpSpec] = {
     "splice": OpSpec(("x", "features", "index"), (), "x's shape; x.reshape(-1, D)[index] = features"),
     # attention's causal mask, where the step's new tokens of one group (groups [R, T], -1: none; an image's
     # tokens in Gemma 3) also see each other both ways (still within the window); contiguous KV only
-    "group_attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache", "groups"),
+    "group_attention": OpSpec(("q", "k", "v", "positions", "k_cache", "v_cache", "groups", "seq_index?",
+                               "block_tables?"),
                               ("layer", "scale", "window", "softcap"), "[R, T, Hq, Dh]; see Tracer.attention"),
     "gated_rms_norm": OpSpec(("x", "gate", "w"), ("eps", "group", "norm_first"),
                              "x's shape: rms_norm per group of x * silu(gate); norm_first: rms_norm(x) * silu(gate)"),

@@ -91,12 +91,9 @@ class Tracer:
         written at `positions`, then every query attends to the positions up to its own
         (and within `window` of it, when set). The state holds `capacity` positions, the step's by default.
         With `groups` [R, T] (a group id per new token, -1 for none) a query also sees the step's later tokens
-        of its own group (an image's tokens attend to each other both ways): the `group_attention` op, for
-        contiguous KV, a group lying whole in one step."""
+        of its own group (an image's tokens attend to each other both ways): the `group_attention` op, a group
+        lying whole in one step (in a paged step, in one sequence's run of tokens)."""
         capacity = self.graph.shape.capacity if capacity is None else capacity
-        if groups is not None and self.graph.shape.paging is not None:
-            raise Unsupported(Reason.SHAPE, "group_attention in a paged step",
-                              "bidirectional groups of tokens need the contiguous KV layout")
         rows, _, kv_heads, head_dim = k.shape
         # paged: the state is the layer's pool of blocks, one row per block
         slots, positions_kept = self._kv_rows(rows, capacity)
@@ -104,8 +101,8 @@ class Tracer:
         vc = self.state(f"v{layer}", (slots, kv_heads, positions_kept, v.shape[-1]), "v")
         shape = (*q.shape[:3], v.shape[-1])
         if groups is not None:
-            return self.op("group_attention", (q, k, v, positions, kc, vc, groups), shape, layer=layer,
-                           scale=scale, window=window, softcap=softcap)
+            return self.op("group_attention", (q, k, v, positions, kc, vc, groups, *self._paged_inputs()), shape,
+                           layer=layer, scale=scale, window=window, softcap=softcap)
         return self.op("attention", (q, k, v, positions, kc, vc, *self._paged_inputs()), shape, layer=layer,
                        scale=scale, window=window, softcap=softcap)
 

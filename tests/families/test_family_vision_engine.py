@@ -3,7 +3,8 @@ image tokens carry the vision tower's features as prompt embeddings (VisionLangu
 tokens and first logits of VisionLanguageModel.generate on the same image, with other requests (text only,
 other images, two images in one prompt) sharing its steps, its prompt prefilled in chunks that split an image's
 tokens, the prefix cache shared only by requests with the same image, and preemption recomputing the image rows.
-Families whose image tokens need more than embeddings are refused at submit; so are malformed embeddings."""
+Gemma 3's images run whole in one step (their tokens attend to each other both ways), Qwen2.5-VL's rope by its
+M-RoPE positions. A text family refuses embeddings at submit; so does any family malformed ones."""
 
 from __future__ import annotations
 
@@ -27,28 +28,33 @@ from poot_core import (
     Unsupported,
     open_executor,
 )
+from poot_core.errors import CapacityError
 
 NEW, BOUND = 4, 1e-4
 
 
-@pytest.fixture(scope="module", params=["smolvlm", "idefics3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["smolvlm", "idefics3", "qwen2_5_vl", "gemma3"])
 def checkpoint(request, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
-    if request.param != "qwen2_5_vl":
-        return vision.checkpoint(path, request.param)
-    return q25.chat_checkpoint(path)[0]  # its tokenizer holds the image token (the engine streams the text)
+    if request.param == "qwen2_5_vl":
+        return q25.chat_checkpoint(path)[0]  # its tokenizer holds the image token (the engine streams the text)
+    if request.param == "gemma3":
+        return g3.chat_checkpoint(path)[0]
+    return vision.checkpoint(path, request.param)
 
 
 def _engine(handle: ModelHandle, **options):
     """A serving driver with small chunks and steps (an image's 4 tokens cross chunk and step boundaries), and
     the runtime on the same executor and weights."""
-    opts = DriverOptions(capacity=64, prefill_chunk=3, block_size=4, step_tokens=8, max_running=4)
+    opts = DriverOptions(capacity=96, prefill_chunk=3, block_size=4, step_tokens=8, max_running=4)
+    if handle.family.embedding_groups(handle.config()):  # Gemma 3: an image (16 tokens here) runs whole in a step
+        opts.step_tokens = 20
     for k, v in options.items():
         setattr(opts, k, v)
     driver = Driver(handle, open_executor("cpu"), opts)
     engine = driver.serve(Layout.PAGED)
     engine.keep_logits = True
-    return engine, VisionLanguageModel(handle, driver.executor, capacity=64, weights=driver.weights)
+    return engine, VisionLanguageModel(handle, driver.executor, capacity=96, weights=driver.weights)
 
 
 def _expected(vlm: VisionLanguageModel, prompt: list[int], images) -> tuple[list[int], np.ndarray]:
@@ -102,12 +108,13 @@ def test_the_prefix_cache_is_shared_only_by_the_same_image(checkpoint):
 
 
 def test_a_preempted_request_recomputes_its_image_rows(checkpoint):
-    """A pool of 9 blocks of 4 for four prompts of 16-20 tokens: sequences are preempted and recomputed from
-    their requests, image rows included."""
+    """A pool of blocks for the longest of four prompts and two blocks more: sequences are preempted and
+    recomputed from their requests, image rows included."""
     handle = ModelHandle.load(checkpoint)
-    engine, vlm = _engine(handle, kv_blocks=9)
-    cases = [(vision.prompt_for(vlm, imgs), imgs) for imgs in (vision.IMAGES, vision.IMAGES[1:2], vision.IMAGES[:1],
-                                                      vision.IMAGES[::-1])]
+    _, sizing = _engine(handle)
+    cases = [(vision.prompt_for(sizing, imgs), imgs) for imgs in (vision.IMAGES, vision.IMAGES[1:2],
+                                                                  vision.IMAGES[:1], vision.IMAGES[::-1])]
+    engine, vlm = _engine(handle, kv_blocks=max(len(p) for p, _ in cases) // 4 + 3)
     results = _run(engine, [vlm.request(p, imgs, max_new=NEW, ignore_eos=True) for p, imgs in cases])
     assert engine.counters().preemptions > 0
     for (gen, first), (prompt, imgs) in zip(results, cases, strict=True):
@@ -140,13 +147,22 @@ def test_malformed_embeddings_and_other_layouts_are_refused(checkpoint):
         Driver(handle, open_executor("cpu"), DriverOptions(capacity=64)).generate(good)
 
 
-def test_a_family_whose_images_need_more_than_embeddings_is_refused(tmp_path):
-    """Gemma 3's image tokens attend to each other both ways: its serving steps cannot take them."""
-    g3.checkpoint(tmp_path)
-    handle = ModelHandle.load(tmp_path)
+def test_a_text_family_refuses_embeddings(tiny_checkpoint):
+    handle = ModelHandle.load(tiny_checkpoint("llama"))
     engine = Driver(handle, open_executor("cpu"), DriverOptions(capacity=64)).serve(Layout.PAGED)
     hidden = handle.config().hidden_size
     request = GenerateRequest([0, 17, 33, 48, 5], max_new=2,
                               embeddings=PromptEmbeddings(np.array([2]), np.zeros((1, hidden), np.float32)))
-    with pytest.raises(Unsupported, match="prompt embeddings"):
+    with pytest.raises(Unsupported, match="prompt embeddings for llama"):
         engine.submit(request)
+
+
+def test_an_image_that_cannot_run_in_one_step_is_refused(tmp_path):
+    """Gemma 3's image tokens attend to each other both ways, so each image runs whole in one step: an image
+    longer than the step budget could never run."""
+    path = g3.chat_checkpoint(tmp_path)[0]
+    handle = ModelHandle.load(path)
+    engine = Driver(handle, open_executor("cpu"), DriverOptions(capacity=96, step_tokens=8)).serve(Layout.PAGED)
+    vlm = VisionLanguageModel(handle, engine.driver.executor, capacity=96, weights=engine.driver.weights)
+    with pytest.raises(CapacityError, match="must run in one step"):
+        engine.submit(vlm.request(vision.prompt_for(vlm, vision.IMAGES[:1]), vision.IMAGES[:1], max_new=2))

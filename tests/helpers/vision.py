@@ -96,12 +96,11 @@ def chat_checkpoint(path: Path, split: bool = False) -> tuple[Path, Any, Any]:
 
 
 def prompt_for(vlm: Any, images: list[Image.Image]) -> list[int]:
-    """A prompt for the VisionLanguageModel `vlm`: text, then each image's tokens (as many as the image's layout
-    gives: 4 for an unsplit tiny Idefics3 frame, a quarter of a Qwen2.5-VL grid) between two text tokens."""
+    """A prompt for the VisionLanguageModel `vlm`: text, then each image's tokens (one per feature row its
+    vision tower gives) between two text tokens."""
     tokens = [0, 17, 33, 48, 10, 11]
     image_token = vlm.params.image_token_id
     for i, image in enumerate(images):
-        _, layout = vlm.frames([image])
-        count = TOKENS_PER_IMAGE if vlm.params.kind != "qwen2_5_vl" else int(np.prod(layout[0])) // 4
-        tokens += [10 + i] + [image_token] * count + [60]
+        features = vlm.encode_images(*vlm.frames([image]))[1]
+        tokens += [10 + i] + [image_token] * (features.size // features.shape[-1]) + [60]
     return tokens + [71, 5]

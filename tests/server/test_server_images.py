@@ -1,5 +1,5 @@
 """`poot serve` of a vision-language checkpoint (a tiny SmolVLM-style Idefics3 with SmolVLM's chat template, a
-tiny Qwen2.5-VL with Qwen's)
+tiny Qwen2.5-VL and a tiny Gemma 3 with theirs)
 through the official openai client: a chat whose messages hold images as data: URLs is answered with the tokens
 VisionLanguageModel.chat gives for the same messages, streamed or not, beside text-only chats sharing its steps;
 a file path or a web URL as an image is a 400 (the server reads no file and fetches nothing), and so is an
@@ -11,10 +11,12 @@ import asyncio
 import base64
 import io
 
+import numpy as np
 import openai
 import pytest
 from poot_family_vision.runtime import VisionLanguageModel
 
+from helpers import gemma3_vision as g3
 from helpers import qwen25vl as q25
 from helpers import vision
 from helpers.server import MODEL_NAME
@@ -33,10 +35,10 @@ def _chat(images, question: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "gemma3"])
 def checkpoint(request, tmp_path_factory):
-    build = vision.chat_checkpoint if request.param == "idefics3" else q25.chat_checkpoint
-    return build(tmp_path_factory.mktemp(f"{request.param}-chat"))[0]
+    build = {"idefics3": vision.chat_checkpoint, "qwen2_5_vl": q25.chat_checkpoint, "gemma3": g3.chat_checkpoint}
+    return build[request.param](tmp_path_factory.mktemp(f"{request.param}-chat"))[0]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,20 @@ def test_chats_with_images_equal_the_runtime(server, checkpoint):
         ids, _ = vlm.chat(messages, max_new=MAX_NEW)
         # the server's text keeps special tokens, as the engine streams them
         assert reply == vlm.handle.text().decode(ids, skip_special=False), (ids, reply)
-    # the comparison can fail: the two single-image chats differ only in their image
-    assert vlm.chat(chats[0], max_new=MAX_NEW)[0] != vlm.chat(chats[2], max_new=MAX_NEW)[0]
+    # the first token's log-probability is the runtime's for this image, and not for the other one (the two
+    # single-image chats differ only in their image; their greedy tokens may agree)
+    r = openai.OpenAI(base_url=server.base, api_key="none").chat.completions.create(
+        model=MODEL_NAME, messages=chats[0], max_tokens=1, temperature=0, logprobs=True)
+    served = r.choices[0].logprobs.content[0].logprob
+    first = vlm.chat(chats[0], max_new=1)[0][0]
+
+    def logprob(messages) -> float:
+        tokens, images = vlm.chat_prompt(messages)
+        logits = vlm.logits(tokens, images)[-1].astype(np.float64)
+        return float(logits[first] - logits.max() - np.log(np.exp(logits - logits.max()).sum()))
+
+    assert abs(served - logprob(chats[0])) <= 1e-4
+    assert abs(served - logprob(chats[2])) > 1e-3
 
 
 def test_images_that_are_not_data_urls_are_refused(server, tmp_path):

@@ -116,21 +116,19 @@ def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
     assert _rel(cpu.logits(prompt, flipped), cpu.logits(prompt, IMAGES)) > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["smolvlm", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["smolvlm", "qwen2_5_vl", "gemma3"])
 def test_requests_with_images_in_the_serving_engine_match_cpu(tmp_path, arch):
-    """SmolVLM and Qwen2.5-VL requests with images through the Triton executor's serving engine (paged steps,
-    the image features spliced in as prompt embeddings, Qwen's M-RoPE by its positions by section, prompts
-    prefilled in chunks that split an image's tokens): the tokens the CPU runtime gives for the same images."""
-    if arch == "smolvlm":
-        vision.checkpoint(tmp_path)
-    else:
-        q25.chat_checkpoint(tmp_path)
+    """SmolVLM, Qwen2.5-VL and Gemma 3 requests with images through the Triton executor's serving engine (paged
+    steps, the image features spliced in as prompt embeddings, Qwen's M-RoPE by its positions by section, Gemma's
+    image tokens seeing each other both ways in the one step that runs each image whole, prompts prefilled in
+    chunks): the tokens the CPU runtime gives for the same images."""
+    {"smolvlm": vision.checkpoint, "qwen2_5_vl": q25.chat_checkpoint, "gemma3": g3.chat_checkpoint}[arch](tmp_path)
     handle = ModelHandle.load(tmp_path)
-    driver = Driver(handle, triton_executor(), DriverOptions(capacity=64, prefill_chunk=5, block_size=4,
+    driver = Driver(handle, triton_executor(), DriverOptions(capacity=96, prefill_chunk=5, block_size=4,
                                                              step_tokens=16, max_running=4))
     engine = driver.serve(Layout.PAGED)
-    ours = VisionLanguageModel(handle, driver.executor, capacity=64, weights=driver.weights)
-    cpu = VisionLanguageModel.load(tmp_path, capacity=64)
+    ours = VisionLanguageModel(handle, driver.executor, capacity=96, weights=driver.weights)
+    cpu = VisionLanguageModel.load(tmp_path, capacity=96)
     cases = [(vision.prompt_for(cpu, images), images) for images in (IMAGES, vision.IMAGES[1:2])]
     gens = engine.generate_batch([ours.request(p, images, max_new=NEW, ignore_eos=True) for p, images in cases])
     for gen, (prompt, images) in zip(gens, cases, strict=True):

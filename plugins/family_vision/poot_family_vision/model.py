@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from poot_core import EMBED_ROWS, EMBED_VALUES, ModelConfig, StepShape, Tracer, Value, trace_dense_decoder
+from poot_core import EMBED_ROWS, EMBED_VALUES, GROUPS, ModelConfig, StepShape, Tracer, Value, trace_dense_decoder
 from poot_family_vision.config import VisionLanguageParams, VisionParams
 
 VISION = "model.vision_model."
@@ -36,7 +36,7 @@ class TextTracer:
                  groups: bool = False) -> None:
         self._t, self._images = t, images
         self._prefix = first_prefix(t, prefixes, "embed_tokens.weight")
-        self._groups = t.input("groups", (t.graph.shape.rows, t.graph.shape.tokens)) if groups else None
+        self._groups = t.input(GROUPS, (t.graph.shape.rows, t.graph.shape.tokens)) if groups else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)

@@ -47,8 +47,8 @@ class Idefics3(Family):
 
 class Gemma3(Family):
     """Gemma 3 with its vision tower (Gemma3ForConditionalGeneration). Traced by the driver it is the Gemma 3
-    text model alone; images go through poot_family_vision.runtime.VisionLanguageModel (not the serving engine:
-    an image's tokens attend to each other both ways, which the paged steps do not do)."""
+    text model, with the image features spliced in when the serving engine gives them; an image's tokens attend
+    to each other both ways (StepShape.grouped), so the engine runs each image whole in one step."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         return gemma3_config(self.name, hf)
@@ -56,8 +56,19 @@ class Gemma3(Family):
     def hf_derived_weights(self, config: ModelConfig, store: StoredWeights) -> dict[str, DerivedWeight]:
         return projection_weight(config, store)
 
+    def prompt_embeddings(self, config: ModelConfig) -> bool:
+        return True
+
+    def embedding_groups(self, config: ModelConfig) -> bool:
+        return True
+
     def trace(self, config: ModelConfig, t: Tracer, shape: StepShape) -> None:
-        trace_text(config, t)
+        trace_text(config, t, images=shape.embedded, groups=shape.grouped)
+
+    def image_prompts(self, handle: Any, executor: Any, weights: Any) -> Any:
+        from poot_family_vision.runtime import VisionLanguageModel  # the runtime imports this module
+
+        return VisionLanguageModel(handle, executor, weights=weights)
 
 
 class Qwen25VL(Family):

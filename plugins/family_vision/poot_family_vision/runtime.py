@@ -169,7 +169,7 @@ class VisionLanguageModel:
         """A request for the serving engine (Driver.serve(Layout.PAGED)) of this checkpoint: the prompt with the
         images' features, computed here and now by the vision tower, as the embeddings of its image tokens.
         `fields`: GenerateRequest's others (max_new, sampler, stops, ...). Families whose image tokens need more
-        than their embeddings (Gemma 3's two-way attention, Qwen2.5-VL's M-RoPE) are refused at submit."""
+        than their embeddings and rope positions are refused at submit."""
         return GenerateRequest(list(tokens), embeddings=self.embeddings(tokens, list(images)), **fields)
 
     def render(self, text: Any, messages: list[dict[str, Any]],

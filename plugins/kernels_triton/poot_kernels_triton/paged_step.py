@@ -29,6 +29,7 @@ from poot_core.graph import Node, sequence_runs
 
 from . import host
 from .attention import prefill_attention
+from .images import group_limits
 from .launch import cdiv
 from .paged import gather_blocks, paged_decode_attention, write_paged_kv
 
@@ -36,9 +37,13 @@ if TYPE_CHECKING:
     from .program import Step
 
 
-def bind_attention(node: Node, decode_only: bool) -> Callable[[Step], None]:
-    """decode_only (Paging.decode): one paged decode launch over every token, nothing read on the host."""
-    q_name, k_name, v_name, pos_name, kp_key, vp_key, seq_name, tab_name = (r.name for r in node.inputs)
+def bind_attention(node: Node, decode_only: bool, grouped: bool = False) -> Callable[[Step], None]:
+    """decode_only (Paging.decode): one paged decode launch over every token, nothing read on the host.
+    grouped (the group_attention op): a prefill run's tokens of one group (an image's, whole in the run) also see
+    each other both ways, through the prefill kernel's last visible key per query (images.group_limits)."""
+    names = [r.name for r in node.inputs]
+    groups_name = names.pop(6) if grouped else None
+    q_name, k_name, v_name, pos_name, kp_key, vp_key, seq_name, tab_name = names
     a = node.attrs
     scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
     out_name, shape = node.output, node.shape
@@ -64,8 +69,11 @@ def bind_attention(node: Node, decode_only: bool) -> Callable[[Step], None]:
                                                  window=window, softcap=softcap)
         for t0, t1, blocks, start, kv_len in chunks:
             kc, vc = gather_blocks(kp, blocks), gather_blocks(vp, blocks)
+            limits = None
+            if groups_name is not None and (s.host[groups_name][0, t0:t1] >= 0).any():
+                limits = torch.from_numpy(group_limits(s.host[groups_name][0, t0:t1], start)).to(q.device)
             out[t0:t1] = prefill_attention(q[t0:t1], kc, vc, start, kv_len=kv_len, scale=scale, window=window,
-                                           softcap=softcap)
+                                           softcap=softcap, limits=limits)
         s.env[out_name] = out.reshape(shape)
 
     return run

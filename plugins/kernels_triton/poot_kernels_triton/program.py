@@ -597,6 +597,9 @@ class Binder:
 
     def op_group_attention(self, node: Node) -> StepFn:
         self.host_syncs = True  # each row's start and its groups' runs are read on the host
+        if node.input(7) is not None:  # a paged step: a run of a sequence holding a group sees it both ways
+            decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
+            return paged_step.bind_attention(node, decode_only, grouped=True)
         return images.bind_group_attention(node)
 
     def op_layer_norm(self, node: Node) -> StepFn:
