@@ -149,6 +149,10 @@ def test_bad_images_are_request_errors(checkpoint, tmp_path):
     for bad in (broken, "data:image/png;base64,!!!", "data:image/png;base64,AAAA", b"\x00\x01", 3):
         with pytest.raises(RequestError):
             vlm.pixel_values([bad])
+    bomb = tmp_path / "bomb.png"  # 12000 x 8000 one-bit pixels: a few kB on disk, 288 MB as RGB
+    Image.new("1", (12000, 8000)).save(bomb)
+    with pytest.raises(RequestError, match="larger than"):
+        vlm.pixel_values([bomb])
     with pytest.raises(RequestError):  # image tokens without as many features
         vlm.logits(_prompt(2), IMAGES[:1])
 

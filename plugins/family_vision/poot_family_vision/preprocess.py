@@ -19,6 +19,7 @@ import binascii
 import io
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,25 +126,37 @@ def load_image(source: Image.Image | str | Path | bytes) -> Image.Image:
     """A Pillow image, a file path, a `data:image/...;base64,` URL, or encoded bytes -> an RGB image.
     Anything unreadable is a RequestError before any work."""
     try:
-        if isinstance(source, Image.Image):
-            image = source
-        elif isinstance(source, bytes):
-            image = Image.open(io.BytesIO(source))
-        elif isinstance(source, str) and source.startswith("data:"):
-            head, _, payload = source.partition(",")
-            if not head.endswith(";base64"):
-                raise RequestError("an image data: URL must be base64-encoded")
-            image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-        elif isinstance(source, str | Path):
-            if isinstance(source, str) and source.startswith(("http://", "https://")):
-                raise RequestError("image URLs are not fetched; pass a file path or a data: URL")
-            image = Image.open(Path(source))
-        else:
-            raise RequestError(f"an image must be a path, data: URL, bytes or PIL image, got {type(source).__name__}")
+        with warnings.catch_warnings():  # Pillow only warns below twice its bound: refused here all the same
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = _open(source)
+        # the size is in the header: a small file that would decode to a huge image is refused before decoding
+        if image.width * image.height > Image.MAX_IMAGE_PIXELS:
+            raise RequestError(f"an image of {image.width} x {image.height} pixels is larger than the "
+                               f"{Image.MAX_IMAGE_PIXELS} pixels images may have")
         image.load()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise RequestError(f"an image larger than the {Image.MAX_IMAGE_PIXELS} pixels images may have") from exc
     except (OSError, UnidentifiedImageError, binascii.Error, ValueError) as exc:
         raise RequestError(f"unreadable image: {exc}") from exc
     return to_rgb(image)
+
+
+def _open(source: Image.Image | str | Path | bytes) -> Image.Image:
+    """The image `source` names, opened (its header read, its pixels not yet decoded)."""
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, bytes):
+        return Image.open(io.BytesIO(source))
+    if isinstance(source, str) and source.startswith("data:"):
+        head, _, payload = source.partition(",")
+        if not head.endswith(";base64"):
+            raise RequestError("an image data: URL must be base64-encoded")
+        return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+    if isinstance(source, str | Path):
+        if isinstance(source, str) and source.startswith(("http://", "https://")):
+            raise RequestError("image URLs are not fetched; pass a file path or a data: URL")
+        return Image.open(Path(source))
+    raise RequestError(f"an image must be a path, data: URL, bytes or PIL image, got {type(source).__name__}")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
