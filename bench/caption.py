@@ -1,8 +1,8 @@
-"""Captioning speed: image-to-first-token time and decode tok/s of a SmolVLM-256M-shaped and a
-Qwen2.5-VL-3B-shaped model (random weights) through poot's VisionLanguageModel, beside transformers' generate on
-the same checkpoint files, in the same run, on the same device.
+"""Captioning speed: image-to-first-token time and decode tok/s of a SmolVLM-256M-shaped, a Qwen2.5-VL-3B-shaped
+and (with --models) a Gemma-3-4B-shaped model (random weights) through poot's VisionLanguageModel, beside
+transformers' generate on the same checkpoint files, in the same run, on the same device.
 
-  python bench/caption.py [--backend cpu|cuda] [--models smolvlm-256m,qwen2.5-vl-3b] [--text-layers N]
+  python bench/caption.py [--backend cpu|cuda] [--models smolvlm-256m,qwen2.5-vl-3b,gemma3-4b] [--text-layers N]
                           [--vision-layers N] [--new N] [--repeats N] [--qwen-side S]
 
 --backend cpu (default): float32, 2 text and 2 vision layers, 8 new tokens, a 224-pixel Qwen image (the machine
@@ -14,7 +14,8 @@ KV written so far) at the device's copy bandwidth.
 
 The first token's time runs from the PIL image (preprocessing included, for both) to the first greedy token;
 decode is the tokens after it over the time after it. SmolVLM's frame is the tower's 512 x 512 without image
-splitting (one frame, 64 image tokens); Qwen2.5-VL's image is qwen-side square (224: 16 x 16 patches, 64 image
+splitting (one frame, 64 image tokens); Gemma 3's the tower's 896 x 896 (256 image tokens, which attend to each
+other both ways); Qwen2.5-VL's image is qwen-side square (224: 16 x 16 patches, 64 image
 tokens; 448: 256; with 2 vision layers they keep one window layer and one full-attention layer). Runs of the
 two alternate; the best of the repeats is kept. Writes bench/results/caption.json (caption_cuda.json).
 """
@@ -150,6 +151,32 @@ def qwen25vl(path: Path, text_layers: int | None, vision_layers: int | None, sid
     return model, reference, prompt, img
 
 
+def gemma3(path: Path, text_layers: int | None, vision_layers: int | None, device: str,
+           dtype: torch.dtype) -> tuple[Any, Any, list[int], Image.Image]:
+    raw = common.hf_config("gemma3_4b")
+    text = dict(raw["text_config"], num_hidden_layers=text_layers or raw["text_config"]["num_hidden_layers"])
+    vis = dict(raw["vision_config"], num_hidden_layers=vision_layers or raw["vision_config"]["num_hidden_layers"])
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vis, mm_tokens_per_image=raw["mm_tokens_per_image"],
+                          image_token_index=raw["image_token_index"], boi_token_index=raw["boi_token_index"],
+                          eoi_token_index=raw["eoi_token_index"])
+    model = build(tf.Gemma3ForConditionalGeneration, cfg, path, device, dtype)
+    side = vis["image_size"]
+    processor = tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    processor.save_pretrained(path)
+    image_id = raw["image_token_index"]
+    prompt = [2, 100, 200, raw["boi_token_index"]] + [image_id] * raw["mm_tokens_per_image"] + \
+        [raw["eoi_token_index"], 300, 400]
+
+    def reference(img: Image.Image, new: int, clock: Clock) -> None:
+        pixels = processor(images=[img], return_tensors="pt")["pixel_values"].to(device, dtype)
+        ids = torch.tensor([prompt], device=device)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                       token_type_ids=(ids == image_id).long(), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+
+    return model, reference, prompt, image(640, 480)
+
+
 def text_bytes(model: Any) -> int:
     """The bytes of the matrices a decode token reads: every weight but the vision tower's, the connector's and
     the token embedding table (a gather of one row), the output head counted once (tied or not)."""
@@ -205,6 +232,8 @@ def run(name: str, args: argparse.Namespace, bandwidth: float | None) -> dict[st
                    f"layers on {device} in {dtype} ...")
         if name == "smolvlm-256m":
             model, reference, prompt, img = smolvlm(path, args.text_layers, args.vision_layers, device, dtype)
+        elif name == "gemma3-4b":
+            model, reference, prompt, img = gemma3(path, args.text_layers, args.vision_layers, device, dtype)
         else:
             model, reference, prompt, img = qwen25vl(path, args.text_layers, args.vision_layers, args.qwen_side,
                                                      device, dtype)
