@@ -11,9 +11,12 @@ import asyncio
 import base64
 import io
 
+import httpx
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from poot_family_vision.runtime import VisionLanguageModel
 
 from helpers import gemma3_vision as g3
@@ -99,3 +102,31 @@ def test_images_that_are_not_data_urls_are_refused(server, tmp_path):
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     with pytest.raises(openai.BadRequestError, match="image"):
         client.chat.completions.create(model=MODEL_NAME, messages=bad, max_tokens=2)
+
+
+_URLS = st.one_of(st.sampled_from(["data:image/png;base64,", "data:image/png;base64,AAAA", "data:,x",
+                                   "data:image/png,abc", "data:image/png;base64,iVBORw0KGgo=", "file:///etc/passwd",
+                                   "/etc/passwd", ""]),
+                  st.text(max_size=20).map(lambda t: "data:image/png;base64," + t), st.text(max_size=12))
+_PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("image_url"),
+                           "image_url": st.one_of(st.fixed_dictionaries({"url": _URLS}), _URLS, st.none(),
+                                                  st.integers())}),
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "input_image", "video_url", 3])},
+                          optional={"text": st.text(max_size=8), "image": _URLS}),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(_PART, min_size=0, max_size=3))
+def test_random_image_parts_never_break_the_server(server, parts):
+    """Malformed and odd content parts: a 4xx in OpenAI's error shape or a whole answer, never a 5xx; the
+    server stays up."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": parts}], "max_tokens": 2,
+            "temperature": 0}
+    r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=120)
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    else:
+        assert "choices" in r.json()
