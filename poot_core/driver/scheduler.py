@@ -76,6 +76,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self._running: set[Sequence] = set()  # the same sequences, for membership tests in O(1)
         self.preemptions = 0
+        # tokens the next step keeps from decode for a sequence whose whole run (an image) found no room in this
+        # one: without it such a run could wait as long as others keep decoding
+        self._held_back = 0
         self._admissions = 0  # admissions so far, and each tenant's last one (its turn in the round robin)
         self._last_admitted: dict[str | None, int] = {}
 
@@ -131,7 +134,8 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step: (sequence, tokens it runs) in step order, within the budgets."""
         chosen: dict[Sequence, int] = {}
-        budget = self.limits.step_tokens
+        budget = self.limits.step_tokens - self._held_back  # decode gives way to a whole run that waited
+        self._held_back = 0
         size, running = self.pool.block_size, self._running
         for seq in list(self.running):  # decode first
             if budget == 0:
@@ -174,11 +178,15 @@ class Scheduler:
             budget -= n
         return list(chosen.items())
 
-    @staticmethod
-    def _chunk(seq: Sequence, start: int, n: int, budget: int) -> int:
+    def _chunk(self, seq: Sequence, start: int, n: int, budget: int) -> int:
         """The tokens of a prefill chunk from `start`: n, or fewer or more so that it splits none of the
-        sequence's whole runs (0: wait for a step with room for the run)."""
-        return whole_spans(seq.whole, start, n, budget) if seq.whole else n
+        sequence's whole runs (0: the run waits, and the next step keeps room for it)."""
+        if not seq.whole:
+            return n
+        taken = whole_spans(seq.whole, start, n, budget)
+        if taken == 0:
+            self._held_back = max(self._held_back, whole_spans(seq.whole, start, n, self.limits.step_tokens))
+        return taken
 
     def _next_waiting(self) -> Sequence:
         """The request to admit next: of the highest priority waiting, each tenant's oldest is a candidate, and

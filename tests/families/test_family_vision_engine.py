@@ -166,3 +166,32 @@ def test_an_image_that_cannot_run_in_one_step_is_refused(tmp_path):
     vlm = VisionLanguageModel(handle, engine.driver.executor, capacity=96, weights=engine.driver.weights)
     with pytest.raises(CapacityError, match="must run in one step"):
         engine.submit(vlm.request(vision.prompt_for(vlm, vision.IMAGES[:1]), vision.IMAGES[:1], max_new=2))
+
+
+def test_an_image_that_needs_a_whole_step_gets_one_while_others_decode(tmp_path):
+    """Gemma 3's 16-token image in steps of 16 tokens while three other requests decode: the step after the one
+    that found no room for it keeps that room from decode, so its reply starts long before the others end (and
+    equals the runtime's)."""
+    path = g3.chat_checkpoint(tmp_path)[0]
+    handle = ModelHandle.load(path)
+    driver = Driver(handle, open_executor("cpu"), DriverOptions(capacity=96, prefill_chunk=4, block_size=4,
+                                                               step_tokens=16, max_running=4))
+    engine = driver.serve(Layout.PAGED)
+    vlm = VisionLanguageModel(handle, driver.executor, capacity=96, weights=driver.weights)
+    others = [engine.submit(GenerateRequest([0, 17 + i, 33, 48], max_new=30, ignore_eos=True)) for i in range(3)]
+    for _ in range(3):  # their prompts have run: they decode
+        engine.step()
+    prompt = vision.prompt_for(vlm, vision.IMAGES[:1])
+    rid = engine.submit(vlm.request(prompt, vision.IMAGES[:1], max_new=NEW, ignore_eos=True))
+    finished: dict[int, object] = {}
+    first_token_step, step = None, 0
+    while len(finished) < 4:
+        step += 1
+        for event in engine.step():
+            if event.request_id == rid and first_token_step is None and getattr(event, "token", -1) >= 0:
+                first_token_step = step
+            if hasattr(event, "generation"):
+                finished[event.request_id] = event.generation
+    assert first_token_step is not None and first_token_step <= 12, first_token_step
+    assert finished[rid].tokens == vlm.generate(prompt, vision.IMAGES[:1], max_new=NEW, ignore_eos=True)
+    assert all(len(finished[o].tokens) == 30 for o in others)
