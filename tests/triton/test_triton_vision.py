@@ -104,6 +104,7 @@ def test_prompt_logits_and_greedy_tokens_match_cpu(pair):
         cpu.generate(prompt, IMAGES, max_new=NEW, ignore_eos=True)
 
 
+@pytest.mark.skipif(interpreted(), reason="captured replays need a GPU (the interpreter runs every step eagerly)")
 def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
     """The runtime's prompt step is marked replayed: on a GPU (except Gemma 3's, whose group attention reads the
     groups on the host) its second run of a shape is captured and later ones replay it, with each run's own
