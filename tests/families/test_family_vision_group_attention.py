@@ -68,12 +68,16 @@ def _group_attention_node() -> Node:
     return node
 
 
-def test_a_paged_step_is_refused():
+def test_a_paged_step_reads_the_block_tables():
+    """In a paged step (the serving engine runs Gemma 3's images so) group attention reads the pools of blocks
+    through the step's sequence index and block tables, as attention does."""
     shape = StepShape(1, 4, 8, paging=Paging(blocks=4, block_size=4, seqs=1, max_blocks=2))
     t = Tracer(shape, {})
     q = t.input("q", (1, 4, HEADS, DIM), "f32")
-    with pytest.raises(Unsupported, match="group_attention"):
-        t.attention(q, q, q, t.input("positions", (1, 4)), layer=0, scale=1.0, groups=t.input("groups", (1, 4)))
+    t.attention(q, q, q, t.input("positions", (1, 4)), layer=0, scale=1.0, groups=t.input("groups", (1, 4)))
+    (node,) = [n for n in t.graph.nodes if n.op == "group_attention"]
+    assert [r.name for r in node.inputs[6:]] == ["groups", "seq_index", "block_tables"]
+    assert t.graph.state["k0"].shape == (4, HEADS, 4, DIM)  # a pool of 4 blocks of 4 positions
 
 
 def _refused_by(cls: type, backend: str) -> None:
