@@ -94,11 +94,17 @@ def build(cls: Any, cfg: Any, path: Path, device: str, dtype: torch.dtype) -> An
     return model
 
 
+def with_layers(raw: dict[str, Any], text_layers: int | None, vision_layers: int | None) -> tuple[dict, dict]:
+    """The text and vision configs of a shape with their layer counts cut to the given ones (None: all)."""
+    text, vis = raw["text_config"], raw["vision_config"]
+    return (dict(text, num_hidden_layers=text_layers or text["num_hidden_layers"]),
+            dict(vis, num_hidden_layers=vision_layers or vis["num_hidden_layers"]))
+
+
 def smolvlm(path: Path, text_layers: int | None, vision_layers: int | None, device: str,
             dtype: torch.dtype) -> tuple[Any, Any, list[int], Image.Image]:
     raw = common.hf_config("smolvlm_256m")
-    text = dict(raw["text_config"], num_hidden_layers=text_layers or raw["text_config"]["num_hidden_layers"])
-    vis = dict(raw["vision_config"], num_hidden_layers=vision_layers or raw["vision_config"]["num_hidden_layers"])
+    text, vis = with_layers(raw, text_layers, vision_layers)
     cfg = tf.SmolVLMConfig(text_config=text, vision_config=vis, scale_factor=raw["scale_factor"],
                            image_token_id=raw["image_token_id"])
     model = build(tf.SmolVLMForConditionalGeneration, cfg, path, device, dtype)
@@ -154,8 +160,7 @@ def qwen25vl(path: Path, text_layers: int | None, vision_layers: int | None, sid
 def gemma3(path: Path, text_layers: int | None, vision_layers: int | None, device: str,
            dtype: torch.dtype) -> tuple[Any, Any, list[int], Image.Image]:
     raw = common.hf_config("gemma3_4b")
-    text = dict(raw["text_config"], num_hidden_layers=text_layers or raw["text_config"]["num_hidden_layers"])
-    vis = dict(raw["vision_config"], num_hidden_layers=vision_layers or raw["vision_config"]["num_hidden_layers"])
+    text, vis = with_layers(raw, text_layers, vision_layers)
     cfg = tf.Gemma3Config(text_config=text, vision_config=vis, mm_tokens_per_image=raw["mm_tokens_per_image"],
                           image_token_index=raw["image_token_index"], boi_token_index=raw["boi_token_index"],
                           eoi_token_index=raw["eoi_token_index"])

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from poot_core.errors import Reason, RequestError, Unsupported
-from poot_core.graph.ir import GROUPS, SECTION_POSITIONS
+from poot_core.graph.ir import SECTION_POSITIONS
 
 
 @dataclass
@@ -121,13 +121,10 @@ def step_rows(chunks: Iterable[Chunk], bucket: Callable[[int], int]) -> tuple[np
     return flat, vals
 
 
-def section_positions(chunks: Iterable[Chunk], sections: int, tokens: int) -> dict[str, np.ndarray] | None:
-    """The step inputs of StepShape.sections ([1, tokens] each, padding 0) when a chunk's embeddings carry rope
-    positions, else None: a prompt token's from its request, any other token its position plus the request's
-    offset (0 without embeddings) in every section."""
-    chunks = list(chunks)
-    if not any(e is not None and e.positions is not None for e, _, _ in chunks):
-        return None
+def section_positions(chunks: Iterable[Chunk], sections: int, tokens: int) -> dict[str, np.ndarray]:
+    """The step inputs of StepShape.sections ([1, tokens] each, padding 0): a prompt token's rope positions from
+    its request's embeddings, any other token its position plus the request's offset (0 without embeddings) in
+    every section."""
     out = np.zeros((sections, 1, tokens), np.int64)
     offset = 0
     for e, start, count in chunks:
@@ -164,21 +161,20 @@ def whole_spans(runs: list[tuple[int, int]], start: int, n: int, budget: int) ->
     return n
 
 
-def step_groups(chunks: Iterable[Chunk], runs: Callable[[PromptEmbeddings], list[tuple[int, int]]],
-                tokens: int) -> dict[str, np.ndarray] | None:
-    """The step input of StepShape.grouped ([1, tokens]: a run's tokens its number, -1 for the others) when a
-    chunk holds a run of its embeddings, else None."""
+def step_groups(runs: Iterable[tuple[list[tuple[int, int]], int, int]], tokens: int) -> np.ndarray | None:
+    """The step input of StepShape.grouped ([1, tokens]: a whole run's tokens its number, -1 for the others),
+    from each sequence's whole runs (Sequence.whole), the position its tokens start at and how many; None when
+    no sequence runs any of its runs."""
     out = np.full((1, tokens), -1, np.int64)
     offset, found = 0, False
-    for e, start, count in chunks:
-        if e is not None:
-            for g, (a, b) in enumerate(runs(e)):
-                lo, hi = max(a, start), min(b, start + count)
-                if lo < hi:
-                    out[0, offset + lo - start : offset + hi - start] = g
-                    found = True
+    for whole, start, count in runs:
+        for g, (a, b) in enumerate(whole):
+            lo, hi = max(a, start), min(b, start + count)
+            if lo < hi:
+                out[0, offset + lo - start : offset + hi - start] = g
+                found = True
         offset += count
-    return {GROUPS: out} if found else None
+    return out if found else None
 
 
 __all__ = ["ImagePrompts", "PromptEmbeddings", "checked", "salted", "section_positions", "spans", "step_groups",

@@ -428,7 +428,8 @@ class ServingDriver:
             extra["embedded"] = 0 if given is None else len(given[0])
             if any(e is not None and e.positions is not None for e, _, _ in chunks):
                 extra["sections"] = self.driver.handle.family.rope_sections(self.driver.config)
-            groups = embeddings.step_groups(chunks, embeddings.spans, n) if self._grouped else None
+            groups = embeddings.step_groups(((seq.whole, seq.computed, count) for seq, count in batch), n) \
+                if self._grouped else None
             extra["grouped"] = groups is not None
         if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
             width = _bucket(self._seq_buckets, n)
@@ -443,9 +444,9 @@ class ServingDriver:
         if given is not None:
             inputs[EMBED_ROWS], inputs[EMBED_VALUES] = given
         if shape.grouped:
-            inputs[GROUPS] = np.pad(groups[GROUPS], ((0, 0), (0, shape.tokens - n)), constant_values=-1)
+            inputs[GROUPS] = np.pad(groups, ((0, 0), (0, shape.tokens - n)), constant_values=-1)
         if shape.sections:
-            inputs |= embeddings.section_positions(chunks, shape.sections, shape.tokens) or {}
+            inputs |= embeddings.section_positions(chunks, shape.sections, shape.tokens)
             inputs |= self.driver.handle.family.step_constants(self.driver.config, shape)
         if rows is not None:
             self.prompt_scores.point(rows, inputs["logit_index"])
