@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import gpu_decode  # noqa: E402
+import serve_timeline  # noqa: E402
 
 import common  # noqa: E402
 
@@ -229,6 +230,23 @@ def profiles(engine: Any, n: int, prompt: int, new: int, chunk: int) -> dict[str
     return out
 
 
+def timeline(engine: Any, vocab: int, n: int, prompt: int, new: int) -> dict[str, Any]:
+    """The workload once more on new prompts under the profiler (serve_timeline.py), reduced to figures."""
+    from poot_core import GenerateRequest
+
+    rng = np.random.default_rng(n * 7919 + prompt)
+    requests = [GenerateRequest(rng.integers(0, vocab, prompt).tolist(), max_new=new, ignore_eos=True)
+                for _ in range(n)]
+    try:
+        t0 = time.perf_counter()
+        device, host, steps = serve_timeline.record(engine, requests)
+        out = {"profiled_run_s": time.perf_counter() - t0, **serve_timeline.reduce(device, host, steps)}
+    except Exception as exc:  # a diagnosis, never a reason to lose the run
+        out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    log("  timeline:", json.dumps(out))
+    return out
+
+
 # --- transformers ------------------------------------------------------------------------------------------
 
 
@@ -271,6 +289,8 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget (default: its own)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of a decode and a prefill step")
+    ap.add_argument("--timeline", action="store_true",
+                    help="one more run of each workload under the profiler: device busy time, gaps and host work")
     ap.add_argument("--orders", default="ahead", help="step orders to time: ahead, pipelined (comma-separated)")
     ap.add_argument("--out", default=str(common.RESULTS / "gpu_serve.json"))
     args = ap.parse_args()
@@ -302,6 +322,8 @@ def main() -> int:
                 row["decode_step_ms"] = {"batch1": one, "batch64": many, "ratio": many / one}
             if args.profile:
                 row["profile_us"] = profiles(engine, n, prompt, new, poot["options"]["prefill_chunk"])
+            if args.timeline:
+                row["timeline"] = timeline(engine, handle.config().vocab_size, n, prompt, new)
             del engine
         except Exception as exc:  # report and go on
             row["poot"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
