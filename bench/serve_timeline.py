@@ -72,22 +72,32 @@ def record(engine: Any, requests: list[Any]) -> tuple[list[Span], list[Span], in
     for r in requests:
         engine.submit(r)
     steps = 0
-    torch.cuda.synchronize()
-    with wrapped(engine), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        while engine.in_flight():
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with wrapped(engine), profile(activities=activities) as prof:
+        while engine.in_flight:
             with torch.profiler.record_function(STEP):
                 engine.step()
             steps += 1
-        torch.cuda.synchronize()
+        sync()
     device, host = [], []
     names = {STEP} | {f"{p or 'engine'}.{n}" for p, n in WRAPPED}
     for ev in prof.profiler.kineto_results.events():
-        span = Span(ev.name(), ev.start_ns(), ev.start_ns() + ev.duration_ns())
-        if ev.device_type() == torch.autograd.DeviceType.CUDA:
+        start = _field(ev, "start_ns")
+        span = Span(str(_field(ev, "name")), start, start + _field(ev, "duration_ns"))
+        if "CUDA" in str(_field(ev, "device_type")):
             device.append(span)
         elif span.name in names:
             host.append(span)
     return device, host, steps
+
+
+def _field(ev: Any, name: str) -> Any:
+    """A kineto event's field: a method in some torch versions, a plain attribute in others."""
+    value = getattr(ev, name)
+    return value() if callable(value) else value
 
 
 def busy(spans: list[Span]) -> list[tuple[int, int]]:

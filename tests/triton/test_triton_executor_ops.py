@@ -178,3 +178,36 @@ def test_a_captured_prefill_replays_only_from_the_starts_it_was_captured_at(tiny
     for ours, ref in zip(*logits, strict=True):
         assert rel(ours, ref) <= 1e-5
     assert rel(logits[0][2], logits[0][3]) > 1e-3  # the replays saw their own tokens
+
+
+@gpu
+def test_wide_paged_decode_steps_replay_from_any_start(tiny_checkpoint, monkeypatch):
+    """A paged decode step wider than GRAPH_TOKENS reads its positions on the device (through the block tables),
+    so once captured it replays whatever its rows' starts: in a serving run of 24 sequences, each decode
+    program runs eagerly only at its first run and its capture (1 + 3 runs), then only replays."""
+    from poot_core import GenerateRequest, Layout
+    from poot_kernels_triton.program import GRAPH_TOKENS, TritonProgram
+
+    runs: dict[int, list[int]] = {}  # id(program) -> [runs, eager runs]
+    run, eager = TritonProgram.run, TritonProgram._eager
+
+    def counted_run(self, *args, **kwargs):
+        runs.setdefault(id(self), [0, 0])[0] += 1
+        return run(self, *args, **kwargs)
+
+    def counted_eager(self, *args, **kwargs):
+        runs.setdefault(id(self), [0, 0])[1] += 1
+        return eager(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonProgram, "run", counted_run)
+    monkeypatch.setattr(TritonProgram, "_eager", counted_eager)
+    handle = ModelHandle.load(tiny_checkpoint("llama"))
+    engine = Driver(handle, TritonExecutor(0), DriverOptions(capacity=64, max_running=32)).serve(Layout.PAGED)
+    engine.generate_batch([GenerateRequest(PROMPT[: 3 + i % 5], max_new=12, ignore_eos=True) for i in range(24)])
+    wide = [prog for shape, prog in engine._programs.items()
+            if shape.paging.decode and shape.tokens > GRAPH_TOKENS]
+    assert wide, "no decode step was wider than the graph limit"
+    for prog in wide:
+        assert prog.use_graph
+        total, eagerly = runs[id(prog)]
+        assert total > 4 and eagerly <= 4, (total, eagerly)

@@ -19,6 +19,8 @@ from helpers.gguf_blocks import F16_FIELDS
 from helpers.triton_checks import rel_err
 from poot_core.checkpoint.layouts import PackedWeight
 from poot_core.errors import RequestError, Unsupported
+from poot_kernels_triton.attention import _prefill_shared, fitted_prefill_tile
+from poot_kernels_triton.tuning import TUNINGS
 
 pytestmark = pytest.mark.interpreter  # kernels on CPU tensors
 
@@ -228,6 +230,27 @@ def test_decode_attention_single_sequence_cache() -> None:
     out = ktr.decode_attention(q, kc, vc, torch.tensor([20]))
     ref = attention_reference(q, kc, vc, torch.tensor([19]), 20)
     assert rel_err(out, ref) < BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_with_wide_heads(dtype: torch.dtype) -> None:
+    """Heads of 256 (Gemma's): on the H200 the tuned tile once asked for more shared memory than there is."""
+    tokens, q_heads, kv_heads, dim, cap = 70, 2, 1, 256, 80
+    q = torch.randn(tokens, q_heads, dim).to(dtype)
+    kc = torch.randn(kv_heads, cap, dim).to(dtype)
+    vc = torch.randn(kv_heads, cap, dim).to(dtype)
+    out = ktr.prefill_attention(q, kc, vc, 3, window=40)
+    ref = attention_reference(q, kc, vc, torch.arange(3, 3 + tokens), 3 + tokens, causal=True, window=40)
+    assert rel_err(out, ref) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TUNINGS if n != "interpreter"))  # it has no shared memory
+def test_every_target_fits_wide_heads_in_the_shared_memory_its_tile_holds_at_128(name: str) -> None:
+    tile = TUNINGS[name].prefill
+    fitted = fitted_prefill_tile(tile, 256)
+    assert _prefill_shared(fitted, 256) <= _prefill_shared(tile, 128)
+    assert fitted.num_stages == 1 or fitted.block_n == tile.block_n  # the stages go first
+    assert fitted_prefill_tile(tile, 128) == tile and fitted_prefill_tile(tile, 64) == tile
 
 
 def test_attention_rejects_bad_grouping() -> None:

@@ -7,6 +7,7 @@ at a large finite negative, so a block with nothing visible adds exactly zero an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -155,6 +156,28 @@ def score_args(head_dim: int, scale: float | None, softcap: float | None, window
             "softcap": float(softcap or 1.0), "window": int(window or 0), "head_dim": head_dim}
 
 
+def _prefill_shared(tile: Tile, block_d: int) -> int:
+    """Elements of shared memory a prefill program holds: its query tile and `num_stages` key and value tiles."""
+    return tile.block_m * block_d + tile.num_stages * 2 * tile.block_n * block_d
+
+
+def fitted_prefill_tile(tile: Tile, block_d: int) -> Tile:
+    """The target's prefill tile, narrowed for heads wider than 128 (Gemma's 256) until it holds no more shared
+    memory than it does at 128, for which each target's tile was chosen: fewer stages first, then narrower key
+    tiles, then fewer queries. Only a narrower key tile changes the order of the sums."""
+    limit = _prefill_shared(tile, 128)
+    while _prefill_shared(tile, block_d) > limit:
+        if tile.num_stages > 1:
+            tile = replace(tile, num_stages=tile.num_stages - 1)
+        elif tile.block_n > 16:
+            tile = replace(tile, block_n=tile.block_n // 2)
+        elif tile.block_m > 16:
+            tile = replace(tile, block_m=tile.block_m // 2)
+        else:
+            break
+    return tile
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -205,8 +228,8 @@ def prefill_attention(
         require(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")
     out = torch.empty_like(q)
     tuning = tuning_for_device(q.device)
-    tile = tuning.prefill
     block_d = max(16, next_pow2(head_dim))
+    tile = fitted_prefill_tile(tuning.prefill, block_d)
     launch(
         _prefill_kernel,
         (cdiv(tokens, tile.block_m), q_heads),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import poot_kernels_triton as ktr
-from poot_core import Graph, Node, PackedWeight, Reason, Ref, Unsupported, WeightRef, check_positions
+from poot_core import Graph, Node, PackedWeight, Reason, Ref, StepShape, Unsupported, WeightRef, check_positions
 from poot_core.graph import passes
 
 from . import collectives, host, images, moe, paged_recurrent, paged_step, recurrent
@@ -42,6 +42,12 @@ ROPE_STYLES = frozenset({"neox", "interleaved"})
 # prompt) read no input on the host, so they are replayed as CUDA graphs; above it, prefill attention takes
 # each row's start position from the host
 GRAPH_TOKENS = 16
+
+
+def reads_host_starts(shape: StepShape) -> bool:
+    """Whether a step's prefill attention takes its rows' start positions from the host: a contiguous step longer
+    than GRAPH_TOKENS. A paged decode step of any width reads them on the device, through the block tables."""
+    return shape.paging is None and shape.tokens > GRAPH_TOKENS
 
 
 @dataclass
@@ -755,7 +761,7 @@ class TritonProgram:
         kept = {name: state[name].clone() for name, spec in self.graph.state.items() if spec.recurrent}
         # a longer step's prefill attention reads the rows' start positions on the host, so they are fixed
         # at the capture (run() replays only for the same starts)
-        host_in = inputs if self.graph.shape.tokens > GRAPH_TOKENS else None
+        host_in = inputs if reads_host_starts(self.graph.shape) else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
