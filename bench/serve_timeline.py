@@ -21,6 +21,10 @@ WRAPPED = (
     ("driver.executor", "run"),
 )
 STEP = "engine.step"
+# CUDA runtime calls in which the host waits for the device: a gap inside one is the host waiting, not working
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+# and the calls that put work on the device: a gap inside one is the cost of launching
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,12 @@ def record(engine: Any, requests: list[Any]) -> tuple[list[Span], list[Span], in
     for ev in prof.profiler.kineto_results.events():
         start = _field(ev, "start_ns")
         span = Span(str(_field(ev, "name")), start, start + _field(ev, "duration_ns"))
-        if "CUDA" in str(_field(ev, "device_type")):
+        if span.name in names:  # the profiler mirrors each range onto the device's timeline too: host work
+            if "CUDA" not in str(_field(ev, "device_type")):
+                host.append(span)
+        elif "CUDA" in str(_field(ev, "device_type")):
             device.append(span)
-        elif span.name in names:
+        elif span.name.startswith(WAITS + LAUNCHES):
             host.append(span)
     return device, host, steps
 
@@ -129,12 +136,17 @@ def reduce(device: list[Span], host: list[Span], steps: int, min_gap_us: float =
         if (b - a) / 1e3 < min_gap_us:
             continue
         mid = (a + b) // 2
-        around = [h for h in inner[: bisect.bisect_right(starts, mid)] if h.end >= mid]
-        label = min(around, key=lambda h: h.end - h.start).name if around else "outside the engine's ranges"
+        # the ranges nest, so the latest-starting one that holds the middle is the innermost
+        i = bisect.bisect_right(starts, mid) - 1
+        while i >= 0 and inner[i].end < mid:
+            i -= 1
+        label = inner[i].name if i >= 0 else "outside the engine's ranges"
         gaps.setdefault(label, []).append((b - a) / 1e3)
     host_ms: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for h in host:
         host_ms[h.name] = host_ms.get(h.name, 0.0) + (h.end - h.start) / 1e6
+        calls[h.name] = calls.get(h.name, 0) + 1
     kernels: dict[str, float] = {}
     for d in device:
         kernels[d.name[:80]] = kernels.get(d.name[:80], 0.0) + (d.end - d.start) / 1e6
@@ -144,5 +156,6 @@ def reduce(device: list[Span], host: list[Span], steps: int, min_gap_us: float =
         "idle_ms": round((hi - lo - busy_ns) / 1e6, 3),
         "gaps_over_min_ms": gap_ms, "gap_counts": {k: len(v) for k, v in gaps.items()},
         "host_inclusive_ms": {k: round(v, 3) for k, v in sorted(host_ms.items(), key=lambda kv: -kv[1])},
+        "host_calls": calls, "device_spans": len(device),
         "top_kernels_ms": {k: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]},
     }
