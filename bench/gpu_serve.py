@@ -316,6 +316,7 @@ def main() -> int:
         try:
             poot = poot_workload(handle, ex, n, prompt, new, args.step_tokens, tuple(args.orders.split(",")))
             engine = poot.pop("engine")
+            poot["memory_reserved_gib"] = torch.cuda.memory_reserved() / 2**30  # KV pool, captured steps, weights
             row["poot"] = poot
             if n >= 64 and prompt + new >= 769:
                 one, many = decode_step_ms(engine, 1, 768), decode_step_ms(engine, 64, 768)

@@ -79,12 +79,15 @@ def record_all_launches() -> list:
         lens = torch.zeros(2, dtype=torch.int32)
         ktr.decode_attention(torch.zeros(2, 32, 128, dtype=bf), cache, cache, lens)
         ktr.decode_attention(torch.zeros(2, 32, 128, dtype=bf), cache, cache, lens, window=16, softcap=30.0)
-        from poot_kernels_triton.paged import paged_decode_attention, write_paged_kv
+        from poot_kernels_triton.paged import paged_decode_attention, paged_prefill_attention, write_paged_kv
 
         pool, tables = torch.zeros(6, 8, 16, 128, dtype=bf), torch.zeros(2, 3, dtype=torch.int64)
         write_paged_kv(k, k, pool, pool, pos, pos, tables)
         paged_decode_attention(q, pool, pool, pos, pos, tables)
         paged_decode_attention(q, pool, pool, pos, pos, tables, window=16, softcap=30.0)
+        tiles = torch.zeros(2, dtype=torch.int64)
+        paged_prefill_attention(q, pool, pool, pos, pos, tables, tiles, q.clone())
+        paged_prefill_attention(q, pool, pool, pos, pos, tables, tiles, q.clone(), window=16, softcap=30.0)
         for m in (1, 16):
             xm = torch.zeros(m, 512, dtype=bf)
             ktr.linear(xm, torch.zeros(256, 512, dtype=bf), torch.zeros(256, dtype=bf))

@@ -181,10 +181,12 @@ def test_a_captured_prefill_replays_only_from_the_starts_it_was_captured_at(tiny
 
 
 @gpu
-def test_wide_paged_decode_steps_replay_from_any_start(tiny_checkpoint, monkeypatch):
-    """A paged decode step wider than GRAPH_TOKENS reads its positions on the device (through the block tables),
-    so once captured it replays whatever its rows' starts: in a serving run of 24 sequences, each decode
-    program runs eagerly only at its first run and its capture (1 + 3 runs), then only replays."""
+def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch):
+    """Paged serving steps read their positions, block tables and decode/prefill split on the device, so once
+    captured they replay whatever their rows hold: in a serving run of 24 sequences whose prompts are chunked
+    beside others' decode tokens, each program runs eagerly only at its first run and its capture (1 + 3 runs)
+    and replays after that, decode steps wider than GRAPH_TOKENS and mixed steps alike; the tokens equal those of
+    an executor that never captures."""
     from poot_core import GenerateRequest, Layout
     from poot_kernels_triton.program import GRAPH_TOKENS, TritonProgram
 
@@ -202,12 +204,18 @@ def test_wide_paged_decode_steps_replay_from_any_start(tiny_checkpoint, monkeypa
     monkeypatch.setattr(TritonProgram, "run", counted_run)
     monkeypatch.setattr(TritonProgram, "_eager", counted_eager)
     handle = ModelHandle.load(tiny_checkpoint("llama"))
-    engine = Driver(handle, TritonExecutor(0), DriverOptions(capacity=64, max_running=32)).serve(Layout.PAGED)
-    engine.generate_batch([GenerateRequest(PROMPT[: 3 + i % 5], max_new=12, ignore_eos=True) for i in range(24)])
-    wide = [prog for shape, prog in engine._programs.items()
-            if shape.paging.decode and shape.tokens > GRAPH_TOKENS]
-    assert wide, "no decode step was wider than the graph limit"
-    for prog in wide:
-        assert prog.use_graph
-        total, eagerly = runs[id(prog)]
-        assert total > 4 and eagerly <= 4, (total, eagerly)
+    requests = [GenerateRequest((PROMPT * 3)[: 5 + 3 * i], max_new=10, ignore_eos=True) for i in range(24)]
+    tokens = {}
+    for graphs in (True, False):
+        options = DriverOptions(capacity=96, max_running=32, step_tokens=48, prefill_chunk=16)
+        engine = Driver(handle, TritonExecutor(0, use_graphs=graphs), options).serve(Layout.PAGED)
+        tokens[graphs] = [g.tokens for g in engine.generate_batch(requests)]
+        if graphs:
+            used = [(shape, prog) for shape, prog in engine._programs.items() if runs.get(id(prog), [0])[0] > 4]
+            kinds = {shape.paging.decode for shape, _ in used}
+            assert kinds == {True, False}, "the run needs both decode and mixed steps run more than 4 times"
+            assert any(shape.paging.decode and shape.tokens > GRAPH_TOKENS for shape, _ in used)
+            for shape, prog in used:
+                total, eagerly = runs[id(prog)]
+                assert prog.use_graph and eagerly <= 4, (shape, total, eagerly)
+    assert tokens[True] == tokens[False]

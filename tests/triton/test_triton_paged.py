@@ -73,6 +73,42 @@ def test_paged_decode_kernel_against_float64_over_random_tables(dtype, window, s
     assert rel_err(out.cpu(), ref) < BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype,window,softcap", [(torch.float32, None, None), (torch.float32, 5, 20.0),
+                                                   (torch.bfloat16, None, None)])
+def test_a_mixed_step_attends_on_the_device_through_its_tables(dtype, window, softcap):
+    """A mixed step's prefill runs (longer than one query tile, and short) through the paged prefill kernel and its
+    decode tokens through the paged decode kernel, split by prefill_tiles on the device: every token against the
+    float64 reference, padding zero; the tile list holds each run's tiles and is padded with -1."""
+    from poot_kernels_triton.paged import paged_prefill_attention, prefill_tile, prefill_tiles
+
+    gen = torch.Generator().manual_seed(4)
+    blocks, kv_heads, block, dim, q_heads, slots, width = 60, 2, 4, 16, 4, 5, 10
+    k_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
+    v_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
+    tables = torch.randperm(blocks, generator=gen)[: slots * width].reshape(slots, width)
+    block_m = prefill_tile(DEVICE, dim).block_m
+    long_run = block_m + 3  # two query tiles, the second partial
+    runs = [(3, 30, 1), (1, 2, long_run), (4, 11, 1), (0, 0, 5), (2, 9, 2)]  # (slot, first position, tokens)
+    seqs = torch.tensor([s for s, _, n in runs for _ in range(n)] + [-1, -1])
+    positions = torch.tensor([p + i for _, p, n in runs for i in range(n)] + [0, 0])
+    capacity = width * block
+    assert int(positions.max()) < capacity
+    q = torch.randn(len(seqs), q_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    bound = -(-len(seqs) // block_m) + slots
+    tiles, decode_seqs = prefill_tiles(seqs.to(DEVICE), block_m, bound)
+    first = [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
+    expect = sorted(first[i] + j for i, (*_, n) in enumerate(runs) if n > 1 for j in range(0, n, block_m))
+    assert tiles.cpu().tolist() == expect + [-1] * (bound - len(expect))
+    assert decode_seqs.cpu().tolist() == [s if n == 1 else -1 for s, _, n in runs for _ in range(n)] + [-1, -1]
+    args = (positions.to(DEVICE), seqs.to(DEVICE), tables.to(DEVICE))
+    out = paged_decode_attention(q, k_pool, v_pool, args[0], decode_seqs, args[2], scale=0.3, window=window,
+                                 softcap=softcap)
+    paged_prefill_attention(q, k_pool, v_pool, *args, tiles, out, scale=0.3, window=window, softcap=softcap)
+    ref = _reference(q, k_pool, v_pool, positions, seqs, tables, 0.3, window, softcap)
+    assert float(out[-2:].abs().max()) == 0.0
+    assert rel_err(out.cpu(), ref) < BOUND[dtype]
+
+
 def test_paged_write_puts_each_token_in_its_block():
     gen = torch.Generator().manual_seed(2)
     blocks, kv_heads, block, dim = 10, 2, 4, 8

@@ -117,7 +117,6 @@ def _prefill_kernel(
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
         visible = kv_mask[None, :]
         if HAS_LIMITS:
             visible = visible & (kv_pos[None, :] <= limit[:, None])
@@ -125,13 +124,7 @@ def _prefill_kernel(
             visible = visible & (kv_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + offs_m[:, None].to(tl.int64) * o_stride_t + h * o_stride_h + offs_d[None, :],
@@ -282,10 +275,18 @@ def group_query(q_row, kvh, q_stride_h, head_dim, GROUP: tl.constexpr, BLOCK_H: 
 
 @triton.jit
 def decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """One tile of keys and values folded into a decode query group's running softmax (base 2): the running
-    maximum m_i, the sum l_i and the weighted values acc. Shared by the contiguous and the paged decode."""
+    """One tile of keys and values folded into a decode query group's running softmax. Shared by the contiguous
+    and the paged decode."""
+    return fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+
+
+@triton.jit
+def fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One tile of keys [D, N] and values [N, D] folded into the queries' running softmax (base 2): the running
+    maximum m_i, the sum l_i and the weighted values acc; `visible` [M, N] (or [1, N]) masks the scores. Every
+    attention kernel's inner step."""
     s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
-    s = tl.where(kv_mask[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -139,13 +139,17 @@ class TritonExecutor:
         binder = Binder(graph, weights, self._rope_tables, self.name)
         steps = binder.bind_all()
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
-        # latent attention's start positions, a paged step's runs of sequences) runs eagerly; the others are
-        # captured as CUDA graphs: decode-sized steps, steps without state of any size (a vision tower, an
-        # encoder: their inputs are all copied through the captured buffers), and steps their caller marks as
-        # replayed (a vision runtime's prompt: a prefill the Driver runs once is not worth a capture's memory)
+        # latent attention's start positions, a mixed step's runs of recurrent sequences or of image groups)
+        # runs eagerly; the others are captured as CUDA graphs: decode-sized steps, paged serving steps (their
+        # attention splits decode and prefill tokens on the device) but those with images, steps without state
+        # of any size (a vision tower, an encoder: their inputs are all copied through the captured buffers),
+        # and steps their caller marks as replayed (a vision runtime's prompt: a prefill the Driver runs once is
+        # not worth a capture's memory)
         shape = graph.shape
-        few_tokens = shape.tokens <= GRAPH_TOKENS if shape.paging is None else shape.paging.decode
-        capturable = few_tokens or not graph.state or (shape.replayed and shape.paging is None)
+        if shape.paging is not None:  # read through the block tables on the device, unless a binding says not
+            capturable = shape.paging.decode or not (shape.embedded or shape.sections or shape.grouped)
+        else:
+            capturable = shape.tokens <= GRAPH_TOKENS or not graph.state or shape.replayed
         use_graph = self.use_cuda_graphs and capturable and not binder.host_syncs
         return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks)
 

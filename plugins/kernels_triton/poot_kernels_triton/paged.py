@@ -14,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _check_attention_options, decode_tile, group_query, merge_splits, score_args, store_split
+from .attention import (
+    _check_attention_options,
+    decode_tile,
+    fitted_prefill_tile,
+    fold_tile,
+    group_query,
+    merge_splits,
+    score_args,
+    store_split,
+)
 from .launch import cdiv, check_dims, check_float, check_same_device, launch, next_pow2, require
 from .tuning import Tile, tuning_for_device
 
@@ -257,6 +266,172 @@ def paged_decode_attention(
     return out
 
 
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    kp_ptr,
+    vp_ptr,
+    o_ptr,
+    pos_ptr,
+    seq_ptr,
+    tab_ptr,
+    tile_ptr,
+    tokens,
+    block_size,
+    scale,
+    softcap,
+    window,
+    head_dim,
+    tab_stride,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    p_stride_b,
+    p_stride_h,
+    p_stride_p,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    t0 = tl.load(tile_ptr + tl.program_id(0))
+    if t0 >= 0:  # the tile list is padded with -1 to its bound
+        h = tl.program_id(1)
+        seq = tl.load(seq_ptr + t0)
+        # up to BLOCK_M tokens from t0 on, those of t0's sequence (its run is contiguous in the step)
+        offs_m = t0 + tl.arange(0, BLOCK_M)
+        mine = (offs_m < tokens) & (tl.load(seq_ptr + offs_m, mask=offs_m < tokens, other=-1) == seq)
+        q_pos = tl.load(pos_ptr + offs_m, mask=mine, other=0).to(tl.int32)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < head_dim
+        q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * q_stride_t + h * q_stride_h + offs_d[None, :],
+                    mask=mine[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            q = q.to(tl.float32)
+        hi = tl.max(tl.where(mine, q_pos, 0), axis=0) + 1
+        lo = 0
+        if HAS_WINDOW:  # key tiles aligned to absolute positions, as for any other run of the sequence
+            lo = (tl.maximum(0, tl.load(pos_ptr + t0).to(tl.int32) - window + 1) // BLOCK_N) * BLOCK_N
+        table = tab_ptr + seq.to(tl.int64) * tab_stride
+        head_off = (h // GROUP).to(tl.int64) * p_stride_h
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            kv_pos = n0 + offs_n
+            kv_mask = kv_pos < hi
+            block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
+            row = block * p_stride_b + head_off + (kv_pos % block_size).to(tl.int64) * p_stride_p
+            k = tl.load(kp_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :] & dmask[:, None], other=0.0)
+            v = tl.load(vp_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None] & dmask[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            visible = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
+            m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + offs_m[:, None].to(tl.int64) * o_stride_t + h * o_stride_h + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mine[:, None] & dmask[None, :])  # fmt: skip
+
+
+def prefill_tile(device: torch.device, head_dim: int) -> Tile:
+    """The prefill tile the paged prefill kernel launches with on `device` (its query tiles' size: prefill_tiles)."""
+    return fitted_prefill_tile(tuning_for_device(device).prefill, max(16, next_pow2(head_dim)))
+
+
+def prefill_tiles(seqs: torch.Tensor, block_m: int, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a flat step's sequence slots [tokens] (-1: padding; each sequence's tokens one contiguous run), on the
+    device with nothing read on the host: the first token of every query tile of the runs longer than one token
+    (tiles of block_m tokens from each run's start), padded with -1 to `bound` entries (at least
+    cdiv(tokens, block_m) + the step's sequences); and the slots of the one-token runs (decode tokens), -1 for
+    every other token, for paged_decode_attention."""
+    tokens = seqs.shape[0]
+    index = torch.arange(tokens, device=seqs.device)
+    edge = seqs.new_full((1,), -2)
+    before, after = torch.cat((edge, seqs[:-1])), torch.cat((seqs[1:], edge))
+    real = seqs >= 0
+    starts = real & (seqs != before)
+    single = starts & (seqs != after)
+    run_start = torch.cummax(torch.where(starts, index, 0), 0).values
+    first = real & ~single & ((index - run_start) % block_m == 0)
+    slot = torch.where(first, torch.cumsum(first, 0) - 1, bound)  # non-first tokens land in a spare entry
+    tiles = torch.full((bound + 1,), -1, dtype=torch.int64, device=seqs.device)
+    tiles.scatter_(0, slot, torch.where(first, index, -1))
+    return tiles[:bound], torch.where(single, seqs, -1)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    seqs: torch.Tensor,
+    tables: torch.Tensor,
+    tiles: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """The prefill tokens of a flat step attend through their tables, written into `out` [tokens, q_heads,
+    head_dim] (other tokens' rows are left as they are): each tile of `tiles` (prefill_tiles, made with this
+    device's prefill_tile(...).block_m) is up to block_m tokens of one sequence, each seeing keys 0 .. its
+    position (causal; window, softcap and scale as in attention.prefill_attention). Arguments as
+    paged_decode_attention's; nothing is read on the host, so a step that runs it can be replayed as a graph."""
+    check_dims("q", q, 3)
+    check_float("q", q)
+    _check_pools(k_pool, v_pool, tables)
+    check_same_device(q, k_pool, v_pool, positions, seqs, tables, tiles, out)
+    _check_attention_options(True, window, softcap)
+    tokens, q_heads, head_dim = q.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    require(k_pool.shape[3] == head_dim, f"pool head size {k_pool.shape[3]} != q head size {head_dim}")
+    require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
+    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
+    require(out.shape == q.shape and q.stride(-1) == 1 and out.stride(-1) == 1, "q and out: [tokens, heads, dim]")
+    tuning = tuning_for_device(q.device)
+    tile = prefill_tile(q.device, head_dim)
+    launch(
+        _paged_prefill_kernel,
+        (tiles.shape[0], q_heads),
+        tile,
+        q_ptr=q,
+        kp_ptr=k_pool,
+        vp_ptr=v_pool,
+        o_ptr=out,
+        pos_ptr=positions,
+        seq_ptr=seqs,
+        tab_ptr=tables,
+        tile_ptr=tiles,
+        tokens=tokens,
+        block_size=block_size,
+        **score_args(head_dim, scale, softcap, window),
+        tab_stride=tables.stride(0),
+        q_stride_t=q.stride(0),
+        q_stride_h=q.stride(1),
+        o_stride_t=out.stride(0),
+        o_stride_h=out.stride(1),
+        p_stride_b=k_pool.stride(0),
+        p_stride_h=k_pool.stride(1),
+        p_stride_p=k_pool.stride(2),
+        GROUP=q_heads // kv_heads,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        UPCAST=tuning.upcast_dot,
+    )
+
+
 def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """pool [blocks, H, B, D] -> the listed blocks as one contiguous cache [H, len(blocks) * B, D] (a copy)."""
     picked = pool[blocks]
@@ -264,4 +439,5 @@ def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return picked.transpose(0, 1).reshape(heads, n * size, dim).contiguous()
 
 
-__all__ = ["gather_blocks", "paged_decode_attention", "write_paged_kv"]
+__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "prefill_tile", "prefill_tiles",
+           "write_paged_kv"]

@@ -4,17 +4,15 @@ A step is one row of N tokens from many sequences; each layer's KV state is a po
 [blocks, kv_heads, block_size, head_dim] (allocated from the graph's state specs like any other state), and
 the op's extra inputs are seq_index [N] (-1 for padding) and block_tables [slots, max_blocks]. Every real
 token's k/v is first written into its block (one kernel). Decode tokens (runs of one token of a sequence)
-then attend through the tables in one launch of paged.paged_decode_attention. A prefill chunk (a longer
-run) takes the CPU executor's route: its sequence's blocks are gathered into a contiguous cache (already
-holding the chunk's keys) and the contiguous prefill kernel runs on it; nothing needs putting back.
+then attend through the tables in one launch of paged.paged_decode_attention, and the query tiles of the
+prefill runs in one launch of paged.paged_prefill_attention, which also reads the keys through the tables.
+The split between the two is made on the device (paged.prefill_tiles), so no step reads anything on the host
+and any step can be replayed as a CUDA graph; a step of decode tokens only (Paging.decode) skips the split.
+Each token's arithmetic is the same whatever else shares its step.
 
-A faster prefill route (not built): a varlen flash-attention kernel whose query tiles are BLOCK_M tokens of
-one sequence and whose key tiles are read through the block table, as the decode kernel reads them, so no
-gather copy is made and all chunks of a step run in one launch (the per-tile sequence map built on the host).
-A mixed step splits its tokens on the host (the engine's inputs are host arrays), so it runs eagerly. A step
-of decode tokens only (Paging.decode) needs no split: every token goes through the paged decode kernel, padding
-included (slot -1 writes nothing and reads nothing), so nothing is read on the host and the step can be
-replayed as a CUDA graph. Each token's arithmetic is the same in both routes.
+Gemma 3's group attention (an image's tokens see each other both ways) keeps the older route: the step is
+split on the host, each prefill run's blocks gathered into a contiguous cache for the contiguous prefill
+kernel with per-query key limits (such steps run eagerly).
 """
 
 from __future__ import annotations
@@ -31,7 +29,14 @@ from . import host
 from .attention import prefill_attention
 from .images import group_limits
 from .launch import cdiv
-from .paged import gather_blocks, paged_decode_attention, write_paged_kv
+from .paged import (
+    gather_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_tile,
+    prefill_tiles,
+    write_paged_kv,
+)
 
 if TYPE_CHECKING:
     from .program import Step
@@ -57,6 +62,9 @@ def bind_attention(node: Node, decode_only: bool, grouped: bool = False) -> Call
             out = paged_decode_attention(q, kp, vp, pos, seqs, tables, scale=scale, window=window, softcap=softcap)
             s.env[out_name] = out.reshape(shape)
             return
+        if groups_name is None:
+            s.env[out_name] = _device_split(s, q, kp, vp, pos, seqs, tables, scale, window, softcap).reshape(shape)
+            return
         key = ("paged", seq_name, window, kp.shape[2])  # every layer of this window shares the step's split
         plan = s.cache.get(key)
         if plan is None:
@@ -77,6 +85,23 @@ def bind_attention(node: Node, decode_only: bool, grouped: bool = False) -> Call
         s.env[out_name] = out.reshape(shape)
 
     return run
+
+
+def _device_split(s: Step, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor,
+                  seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int | None,
+                  softcap: float | None) -> torch.Tensor:
+    """A mixed step's attention with nothing read on the host: its decode tokens (one-token runs) through the
+    paged decode kernel, its prefill runs' query tiles through the paged prefill kernel; the split is made once
+    per step on the device (paged.prefill_tiles) and shared by every layer."""
+    key = ("paged tiles", q.shape[-1])
+    split = s.cache.get(key)
+    if split is None:
+        block_m = prefill_tile(q.device, q.shape[-1]).block_m
+        split = s.cache[key] = prefill_tiles(seqs, block_m, cdiv(q.shape[0], block_m) + tables.shape[0])
+    tiles, decode_seqs = split
+    out = paged_decode_attention(q, kp, vp, pos, decode_seqs, tables, scale=scale, window=window, softcap=softcap)
+    paged_prefill_attention(q, kp, vp, pos, seqs, tables, tiles, out, scale=scale, window=window, softcap=softcap)
+    return out
 
 
 def few_tokens_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

@@ -275,9 +275,7 @@ class Binder:
     def op_attention(self, node: Node) -> StepFn:
         if node.input(6) is not None:  # a paged step: the caches are pools of blocks
             decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
-            # a mixed step is split into decode tokens and prefill runs on the host
-            self.host_syncs = self.host_syncs or not decode_only
-            return paged_step.bind_attention(node, decode_only)
+            return paged_step.bind_attention(node, decode_only)  # nothing read on the host
         q_name, k_name, v_name, pos_name, kc_key, vc_key = (r.name for r in node.inputs)
         a = node.attrs
         scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
