@@ -183,8 +183,8 @@ def test_a_captured_prefill_replays_only_from_the_starts_it_was_captured_at(tiny
 @gpu
 def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch):
     """Paged serving steps read their positions, block tables and decode/prefill split on the device, so once
-    captured they replay whatever their rows hold: in a serving run of 24 sequences whose prompts are chunked
-    beside others' decode tokens, each program runs eagerly only at its first run and its capture (1 + 3 runs)
+    captured they replay whatever their rows hold: in a serving run whose prompts are chunked beside others'
+    decode tokens, each program runs eagerly only at its first run and its capture (1 + 3 runs)
     and replays after that, decode steps wider than GRAPH_TOKENS and mixed steps alike; the tokens equal those of
     an executor that never captures."""
     from poot_core import GenerateRequest, Layout
@@ -204,12 +204,15 @@ def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch)
     monkeypatch.setattr(TritonProgram, "run", counted_run)
     monkeypatch.setattr(TritonProgram, "_eager", counted_eager)
     handle = ModelHandle.load(tiny_checkpoint("llama"))
-    requests = [GenerateRequest((PROMPT * 3)[: 5 + 3 * i], max_new=10, ignore_eos=True) for i in range(24)]
+    # 40 prompts of 30 tokens, 24 at a time: later prompts are chunked beside the others' decode tokens in steps of
+    # the same size, again and again; then 24 short prompts decode together in steps of 24 rows
+    batches = [[GenerateRequest((PROMPT * 3)[i % 5: i % 5 + 30], max_new=12, ignore_eos=True) for i in range(40)],
+               [GenerateRequest(PROMPT[i % 7: i % 7 + 5], max_new=12, ignore_eos=True) for i in range(24)]]
     tokens = {}
     for graphs in (True, False):
-        options = DriverOptions(capacity=96, max_running=32, step_tokens=48, prefill_chunk=16)
+        options = DriverOptions(capacity=96, max_running=24, step_tokens=32, prefill_chunk=16)
         engine = Driver(handle, TritonExecutor(0, use_graphs=graphs), options).serve(Layout.PAGED)
-        tokens[graphs] = [g.tokens for g in engine.generate_batch(requests)]
+        tokens[graphs] = [[g.tokens for g in engine.generate_batch(batch)] for batch in batches]
         if graphs:
             used = [(shape, prog) for shape, prog in engine._programs.items() if runs.get(id(prog), [0])[0] > 4]
             kinds = {shape.paging.decode for shape, _ in used}

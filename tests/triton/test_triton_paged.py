@@ -94,15 +94,17 @@ def test_a_mixed_step_attends_on_the_device_through_its_tables(dtype, window, so
     capacity = width * block
     assert int(positions.max()) < capacity
     q = torch.randn(len(seqs), q_heads, dim, generator=gen).to(dtype).to(DEVICE)
-    bound = -(-len(seqs) // block_m) + slots
-    tiles, decode_seqs = prefill_tiles(seqs.to(DEVICE), block_m, bound)
+    tiles, decode = prefill_tiles(seqs.to(DEVICE), block_m, slots)
     first = [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
     expect = sorted(first[i] + j for i, (*_, n) in enumerate(runs) if n > 1 for j in range(0, n, block_m))
+    bound = -(-len(seqs) // block_m) + slots
     assert tiles.cpu().tolist() == expect + [-1] * (bound - len(expect))
-    assert decode_seqs.cpu().tolist() == [s if n == 1 else -1 for s, _, n in runs for _ in range(n)] + [-1, -1]
+    singles = [first[i] for i, (*_, n) in enumerate(runs) if n == 1]
+    assert decode.cpu().tolist() == singles + [-1] * (slots - len(singles))
     args = (positions.to(DEVICE), seqs.to(DEVICE), tables.to(DEVICE))
-    out = paged_decode_attention(q, k_pool, v_pool, args[0], decode_seqs, args[2], scale=0.3, window=window,
-                                 softcap=softcap)
+    out = torch.zeros_like(q)
+    out[singles] = paged_decode_attention(q[singles], k_pool, v_pool, args[0][singles], args[1][singles], args[2],
+                                          scale=0.3, window=window, softcap=softcap)
     paged_prefill_attention(q, k_pool, v_pool, *args, tiles, out, scale=0.3, window=window, softcap=softcap)
     ref = _reference(q, k_pool, v_pool, positions, seqs, tables, 0.3, window, softcap)
     assert float(out[-2:].abs().max()) == 0.0

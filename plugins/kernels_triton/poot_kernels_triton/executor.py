@@ -82,6 +82,10 @@ class TritonExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self._tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._state_bytes = 0
+        # one memory pool for every captured program's activations: the steps run one at a time and each
+        # replay's outputs are copied out at once (TritonProgram.run), so a capture may reuse the memory of
+        # another program's intermediate values; a pool per capture held 70 GiB for 16 serving step sizes
+        self._graph_pool: Any = None
 
     @classmethod
     def on_interpreter(cls) -> TritonExecutor:
@@ -91,6 +95,7 @@ class TritonExecutor:
         ex.device = torch.device("cpu")
         ex._tables = {}
         ex._state_bytes = 0
+        ex._graph_pool = None
         ex.use_cuda_graphs = False
         ex.run_defaults = RunDefaults()  # the core's (CPU-sized) steps: the interpreter runs on the CPU
         ex.memory = lambda: {"total": 1 << 40, "free": 1 << 40}  # type: ignore[method-assign]
@@ -151,7 +156,10 @@ class TritonExecutor:
         else:
             capturable = shape.tokens <= GRAPH_TOKENS or not graph.state or shape.replayed
         use_graph = self.use_cuda_graphs and capturable and not binder.host_syncs
-        return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks)
+        if use_graph and self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks,
+                             self._graph_pool if use_graph else None)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
         dtype = getattr(self, "_act_dtype", torch.bfloat16)

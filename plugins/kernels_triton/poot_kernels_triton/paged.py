@@ -346,12 +346,22 @@ def prefill_tile(device: torch.device, head_dim: int) -> Tile:
     return fitted_prefill_tile(tuning_for_device(device).prefill, max(16, next_pow2(head_dim)))
 
 
-def prefill_tiles(seqs: torch.Tensor, block_m: int, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From a flat step's sequence slots [tokens] (-1: padding; each sequence's tokens one contiguous run), on the
-    device with nothing read on the host: the first token of every query tile of the runs longer than one token
-    (tiles of block_m tokens from each run's start), padded with -1 to `bound` entries (at least
-    cdiv(tokens, block_m) + the step's sequences); and the slots of the one-token runs (decode tokens), -1 for
-    every other token, for paged_decode_attention."""
+def _listed(flags: torch.Tensor, size: int) -> torch.Tensor:
+    """The indices where `flags` holds, in order, padded with -1 to `size` entries (at least as many as hold),
+    made on the device without reading how many there are."""
+    index = torch.arange(flags.shape[0], device=flags.device)
+    slot = torch.where(flags, torch.cumsum(flags, 0) - 1, size)  # the others land in a spare entry
+    out = torch.full((size + 1,), -1, dtype=torch.int64, device=flags.device)
+    out.scatter_(0, slot, torch.where(flags, index, -1))
+    return out[:size]
+
+
+def prefill_tiles(seqs: torch.Tensor, block_m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a flat step's sequence slots [tokens] (-1: padding; each sequence's tokens one contiguous run, at most
+    `slots` sequences), on the device with nothing read on the host: the first token of every query tile of the
+    runs longer than one token (tiles of block_m tokens from each run's start), padded with -1 to
+    cdiv(tokens, block_m) + slots entries; and the tokens of the one-token runs (decode tokens), padded with -1
+    to `slots` entries."""
     tokens = seqs.shape[0]
     index = torch.arange(tokens, device=seqs.device)
     edge = seqs.new_full((1,), -2)
@@ -361,10 +371,7 @@ def prefill_tiles(seqs: torch.Tensor, block_m: int, bound: int) -> tuple[torch.T
     single = starts & (seqs != after)
     run_start = torch.cummax(torch.where(starts, index, 0), 0).values
     first = real & ~single & ((index - run_start) % block_m == 0)
-    slot = torch.where(first, torch.cumsum(first, 0) - 1, bound)  # non-first tokens land in a spare entry
-    tiles = torch.full((bound + 1,), -1, dtype=torch.int64, device=seqs.device)
-    tiles.scatter_(0, slot, torch.where(first, index, -1))
-    return tiles[:bound], torch.where(single, seqs, -1)
+    return _listed(first, cdiv(tokens, block_m) + slots), _listed(single, slots)
 
 
 def paged_prefill_attention(

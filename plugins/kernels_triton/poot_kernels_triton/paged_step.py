@@ -96,10 +96,17 @@ def _device_split(s: Step, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, 
     key = ("paged tiles", q.shape[-1])
     split = s.cache.get(key)
     if split is None:
-        block_m = prefill_tile(q.device, q.shape[-1]).block_m
-        split = s.cache[key] = prefill_tiles(seqs, block_m, cdiv(q.shape[0], block_m) + tables.shape[0])
-    tiles, decode_seqs = split
-    out = paged_decode_attention(q, kp, vp, pos, decode_seqs, tables, scale=scale, window=window, softcap=softcap)
+        split = s.cache[key] = prefill_tiles(seqs, prefill_tile(q.device, q.shape[-1]).block_m, tables.shape[0])
+    tiles, decode = split
+    tokens = q.shape[0]
+    # a spare last row takes the padding entries of the decode list; padding tokens' rows stay zero
+    out = torch.zeros(tokens + 1, q.shape[1], vp.shape[-1], dtype=q.dtype, device=q.device)
+    listed = decode >= 0
+    at = decode.clamp(min=0)
+    out[torch.where(listed, decode, tokens)] = paged_decode_attention(
+        q[at], kp, vp, pos[at], torch.where(listed, seqs[at], -1), tables, scale=scale, window=window,
+        softcap=softcap)  # fmt: skip
+    out = out[:tokens]
     paged_prefill_attention(q, kp, vp, pos, seqs, tables, tiles, out, scale=scale, window=window, softcap=softcap)
     return out
 
