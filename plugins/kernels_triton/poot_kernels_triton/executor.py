@@ -82,10 +82,6 @@ class TritonExecutor:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self._tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._state_bytes = 0
-        # one memory pool for every captured program's activations: the steps run one at a time and each
-        # replay's outputs are copied out at once (TritonProgram.run), so a capture may reuse the memory of
-        # another program's intermediate values; a pool per capture held 70 GiB for 16 serving step sizes
-        self._graph_pool: Any = None
 
     @classmethod
     def on_interpreter(cls) -> TritonExecutor:
@@ -95,7 +91,6 @@ class TritonExecutor:
         ex.device = torch.device("cpu")
         ex._tables = {}
         ex._state_bytes = 0
-        ex._graph_pool = None
         ex.use_cuda_graphs = False
         ex.run_defaults = RunDefaults()  # the core's (CPU-sized) steps: the interpreter runs on the CPU
         ex.memory = lambda: {"total": 1 << 40, "free": 1 << 40}  # type: ignore[method-assign]
@@ -145,21 +140,20 @@ class TritonExecutor:
         steps = binder.bind_all()
         # a step whose binding reads device values on the host (the grouped moe route's counts per expert,
         # latent attention's start positions, a mixed step's runs of recurrent sequences or of image groups)
-        # runs eagerly; the others are captured as CUDA graphs: decode-sized steps, paged serving steps (their
-        # attention splits decode and prefill tokens on the device) but those with images, steps without state
-        # of any size (a vision tower, an encoder: their inputs are all copied through the captured buffers),
-        # and steps their caller marks as replayed (a vision runtime's prompt: a prefill the Driver runs once is
-        # not worth a capture's memory)
+        # runs eagerly; the others are captured as CUDA graphs: decode-sized steps, steps without state of any
+        # size (a vision tower, an encoder: their inputs are all copied through the captured buffers), and steps
+        # their caller marks as replayed (a vision runtime's prompt: a prefill the Driver runs once is not worth
+        # a capture's memory)
         shape = graph.shape
-        if shape.paging is not None:  # read through the block tables on the device, unless a binding says not
-            capturable = shape.paging.decode or not (shape.embedded or shape.sections or shape.grouped)
+        if shape.paging is not None:
+            # a mixed step reads nothing on the host either (its decode/prefill split is made on the device), but
+            # capturing the mixed step sizes as well gained no throughput on the H200 (3398 against 3373-3390
+            # output tok/s) for about 19 GiB of graph memory, so they run eagerly
+            capturable = shape.paging.decode
         else:
             capturable = shape.tokens <= GRAPH_TOKENS or not graph.state or shape.replayed
         use_graph = self.use_cuda_graphs and capturable and not binder.host_syncs
-        if use_graph and self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks,
-                             self._graph_pool if use_graph else None)
+        return TritonProgram(graph, steps, self.device, use_graph, self.tuning, binder.host_checks)
 
     def allocate_state(self, graph: Graph) -> dict[str, torch.Tensor]:
         dtype = getattr(self, "_act_dtype", torch.bfloat16)

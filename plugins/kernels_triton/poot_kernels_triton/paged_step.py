@@ -6,9 +6,9 @@ the op's extra inputs are seq_index [N] (-1 for padding) and block_tables [slots
 token's k/v is first written into its block (one kernel). Decode tokens (runs of one token of a sequence)
 then attend through the tables in one launch of paged.paged_decode_attention, and the query tiles of the
 prefill runs in one launch of paged.paged_prefill_attention, which also reads the keys through the tables.
-The split between the two is made on the device (paged.prefill_tiles), so no step reads anything on the host
-and any step can be replayed as a CUDA graph; a step of decode tokens only (Paging.decode) skips the split.
-Each token's arithmetic is the same whatever else shares its step.
+The split between the two is made on the device (paged.prefill_tiles), so no step reads anything on the host;
+a step of decode tokens only (Paging.decode) skips the split and is replayed as a CUDA graph (mixed steps run
+eagerly: executor.prepare says why). Each token's arithmetic is the same whatever else shares its step.
 
 Gemma 3's group attention (an image's tokens see each other both ways) keeps the older route: the step is
 split on the host, each prefill run's blocks gathered into a contiguous cache for the contiguous prefill

@@ -644,10 +644,8 @@ class TritonProgram:
     def __init__(
         self, graph: Graph, steps: list[StepFn], device: torch.device, use_graph: bool, tuning: Tuning | None = None,
         checks: Sequence[Callable[[dict[str, np.ndarray]], None]] = (),
-        graph_pool: Any = None,
     ) -> None:
         self.tuning = tuning
-        self.graph_pool = graph_pool  # the memory pool its capture shares with its executor's other programs
         self.checks = tuple(checks)
         self._starts: np.ndarray | None = None  # the rows' start positions a captured longer step was made for
         self.graph = graph
@@ -771,7 +769,7 @@ class TritonProgram:
         for name, saved in kept.items():
             state[name].copy_(saved)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        with torch.cuda.graph(graph):
             self._outputs = self._eager(state, dict(env), host_in)
         self._cuda_graph = graph
         self._graph_state = state
