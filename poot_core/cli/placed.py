@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 from poot_core.errors import RequestError
 
 RANK_TIMEOUT = 300.0  # seconds one collective waits (loading a large model on a slow disk included)
@@ -78,9 +80,20 @@ def launch(args: argparse.Namespace) -> int | None:
         # ("terminate called without an active exception") after a run that succeeded
         atexit.register(args.coordinator.close)
         _quiet_unless_first(args.coordinator.rank)
+        _shared_seed(args, args.coordinator)
         return None
+    _shared_seed(args)
     codes = Coordinator.spawn(n, _rank, args, timeout=RUN_TIMEOUT, collective_timeout=args.rank_timeout)
     return int(codes[0])
+
+
+def _shared_seed(args: argparse.Namespace, coordinator: Any = None) -> None:
+    """A sampling run without a seed gets one here, the same on every rank (rank 0's under torchrun): each rank
+    samples the next token itself, so ranks that drew their own seeds would feed the model different tokens."""
+    if getattr(args, "temp", 0) <= 0 or (getattr(args, "seed", None) is not None and args.seed >= 0):
+        return
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    args.seed = seed if coordinator is None else int(coordinator.broadcast_object(seed, 0))
 
 
 def _quiet_unless_first(rank: int) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from poot_core.cli import runtime
+from poot_core.cli import placed, runtime
 from poot_core.cli.args import Parser
 from poot_core.errors import RequestError
 
@@ -34,6 +35,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     runtime.add_device_flags(p, DEFAULT_CTX)
+    placed.add_flags(p)
     p.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model's name in the API (default: the checkpoint's file or directory name)")
     p.add_argument("--api-keys", metavar="FILE", default=None,
@@ -106,20 +108,37 @@ def _open_checkpoint(args: argparse.Namespace, executor: Any) -> Any:
     return ModelHandle.load(args.model, options=runtime.load_options(args))
 
 
+def _engine(args: argparse.Namespace, open_model: ModelOpener) -> tuple[Any, Any, Any]:
+    """(executor, handle, serving engine) as the flags ask; over --tp/--pp ranks every rank makes it this way."""
+    from poot_core import Layout
+
+    executor = runtime.open_device(args)
+    runtime.Threads(args.threads, args.threads_batch).for_decode()
+    handle = open_model(args, executor)
+    config = handle.config()
+    if config.kind == "encoder":
+        raise RequestError(f"{args.model} is an encoder model: serve it with --embedding-model")
+    options = engine_options(args, executor, config)
+    return executor, handle, placed.driver(args, handle, executor, options).serve(Layout.PAGED)
+
+
+def _follow(args: argparse.Namespace, open_model: ModelOpener) -> int:
+    """A rank other than 0 of `--tp/--pp`: the same engine, stepped as rank 0 says (server/ranks.py)."""
+    from poot_core.server.ranks import follow
+
+    follow(_engine(args, open_model)[2], args.coordinator)
+    return 0
+
+
 def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
     def load(state: Any) -> Any:
-        from poot_core import CrossEncoder, Driver, Layout, ModelHandle, SentenceEncoder
+        from poot_core import CrossEncoder, ModelHandle, SentenceEncoder
         from poot_core.server.bridge import EngineBridge
         from poot_core.server.encoders import EncoderWorker
+        from poot_core.server.ranks import Lead
         from poot_core.server.state import Loaded
 
-        executor = runtime.open_device(args)
-        runtime.Threads(args.threads, args.threads_batch).for_decode()
-        handle = open_model(args, executor)
-        config = handle.config()
-        if config.kind == "encoder":
-            raise RequestError(f"{args.model} is an encoder model: serve it with --embedding-model")
-        engine = Driver(handle, executor, engine_options(args, executor, config)).serve(Layout.PAGED)
+        executor, handle, engine = _engine(args, open_model)
         state.settings.max_running = engine.limits.max_running  # admission counts the backend's default too
         encoder = reranker = None
         if args.embedding_model is not None:  # encoders get executors of their own: they run in other threads
@@ -131,7 +150,9 @@ def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
             reranker = EncoderWorker(kind.from_handle(scorer, runtime.open_device(args), rows=args.embedding_rows),
                                      _name(args.rerank_model))
         images = handle.family.image_prompts(handle, executor, engine.driver.weights)  # None: text only
-        bridge = EngineBridge(engine, images=images)  # type: ignore[arg-type]
+        coordinator = getattr(args, "coordinator", None)
+        lead = Lead(coordinator) if coordinator is not None else None  # rank 0 of --tp/--pp
+        bridge = EngineBridge(engine, images=images, lead=lead)  # type: ignore[arg-type]
         bridge.start()
         runtime.log(args, f"engine: window {engine.capacity}, {engine.pool.blocks} KV blocks of "
                           f"{engine.block_size}, backend {executor.name}")
@@ -144,6 +165,11 @@ def run(args: argparse.Namespace, open_model: ModelOpener | None = None) -> int:
     """Serve until stopped. `open_model` gives the model instead of loading the checkpoint args.model names
     (the benchmarks serve random weights made on the device this way; args.model is then only its name)."""
     check_flags(args, check_model=open_model is None)
+    spawned = placed.launch(args)  # --tp/--pp: N ranks run this command; rank 0 serves
+    if spawned is not None:
+        return spawned
+    if getattr(args, "coordinator", None) is not None and not args.coordinator.first:
+        return _follow(args, open_model or _open_checkpoint)
     try:
         import uvicorn
 
@@ -175,6 +201,10 @@ def run(args: argparse.Namespace, open_model: ModelOpener | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=int(args.drain) + 5, access_log=args.verbose)
     server = Server(config)
+    if getattr(args, "coordinator", None) is not None:
+        # uvicorn drains on SIGTERM, then raises it again under the handler it found; as rank 0 of --tp/--pp that
+        # handler does nothing, so the rank returns and its parent sees a clean end instead of a killed rank
+        signal.signal(signal.SIGTERM, lambda *_: None)
     print(f"poot serve: {settings.model} on http://{args.host}:{args.port}/v1 (loading)", file=sys.stderr,
           flush=True)
     server.run()

@@ -16,6 +16,7 @@ timed host wait (a captured graph cannot wait on the host; NCCL's own watchdog s
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -157,6 +158,18 @@ class Coordinator:
             if buf is not x:
                 x.copy_(buf)
         return x
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """src's picklable `obj` on every rank (the others pass anything): its length, then its bytes."""
+        if not self.joined:
+            return obj
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = self.broadcast(torch.tensor([len(data)], dtype=torch.int64), src)
+        mine = self.rank == src
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(size[0]),
+                                                                                             dtype=torch.uint8)
+        buf = self.broadcast(buf, src)
+        return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())  # noqa: S301 - from our own rank 0
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         buf = self._wire(x)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -47,6 +49,20 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: 
         raise SystemExit(1) from None
 
 
+def _forward_sigterm(first: Any) -> Any:
+    """While the ranks run, a SIGTERM to this process goes to rank 0 instead (a server there drains and tells the
+    others to stop) rather than ending this process and leaving the ranks behind; returns the handler it replaced
+    (None off the main thread, where none can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        if first.is_alive() and first.pid is not None:
+            os.kill(first.pid, signal.SIGTERM)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: float, collective_timeout: float,
           threads: int | None = None, backend: str | None = None) -> list[Any]:
     if n < 1:
@@ -58,6 +74,7 @@ def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: flo
                          daemon=True, name=f"poot-rank-{r}") for r in range(n)]
     for p in procs:
         p.start()
+    forward = _forward_sigterm(procs[0])
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -78,6 +95,8 @@ def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: flo
                 if now - silent_exit.setdefault(r, now) > 1.0:
                     errors[r] = f"exited with code {p.exitcode} without a result"
     finally:
+        if forward is not None:
+            signal.signal(signal.SIGTERM, forward)
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -21,11 +21,12 @@ from typing import Any
 
 from poot_core.driver.core import GenerateRequest
 from poot_core.driver.embeddings import ImagePrompts
-from poot_core.driver.engine import FinishedEvent, ServingDriver, TokenEvent
+from poot_core.driver.engine import Event, FinishedEvent, ServingDriver, TokenEvent
 from poot_core.driver.prompt_logprobs import PromptEvent
 from poot_core.driver.sampling import TokenLogprobs
 from poot_core.errors import PootError, RequestError
 from poot_core.server.logprobs import PromptStep, prompt_steps
+from poot_core.server.ranks import Lead
 
 log = logging.getLogger("poot.server")
 
@@ -109,9 +110,12 @@ class EngineStats:
 
 
 class EngineBridge:
-    def __init__(self, engine: ServingDriver, idle_wait: float = 0.5, images: ImagePrompts | None = None) -> None:
-        """images: the model's ImagePrompts, whose vision tower this thread runs for requests with images."""
+    def __init__(self, engine: ServingDriver, idle_wait: float = 0.5, images: ImagePrompts | None = None,
+                 lead: Lead | None = None) -> None:
+        """images: the model's ImagePrompts, whose vision tower this thread runs for requests with images.
+        lead: on rank 0 of a placed engine, what tells the other ranks to do as this engine does (ranks.py)."""
         self.images = images
+        self.lead = lead
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Ticket]] = queue.SimpleQueue()
         self._tickets: dict[int, Ticket] = {}
@@ -193,7 +197,7 @@ class EngineBridge:
             if kind == "submit":
                 self._submit(ticket)
             elif kind == "abort" and ticket.request_id is not None and ticket.request_id in self._tickets:
-                self.engine.abort(ticket.request_id)
+                self._abort(ticket.request_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -213,18 +217,33 @@ class EngineBridge:
             if top is not None and self.engine.speculation is not None:  # verify steps read no prompt rows yet:
                 ticket.prompt_steps = prompt_steps(self.engine.driver, ticket.request.prompt, top)  # own prefill
                 top = None
-            rid = self.engine.submit(ticket.request, priority=ticket.priority, cache_salt=ticket.salt,
-                                     tenant=ticket.tenant, prompt_logprobs=top)
+            kwargs = {"priority": ticket.priority, "cache_salt": ticket.salt, "tenant": ticket.tenant,
+                      "prompt_logprobs": top}
+            if self.lead is not None:
+                ticket.request = self.lead.seeded(ticket.request)
+            rid = self.engine.submit(ticket.request, **kwargs)
         except PootError as exc:
             self._push(ticket, Rejected(exc))
             return
+        if self.lead is not None:
+            self.lead.submitted(rid, ticket.request, kwargs)
         ticket.request_id = rid
         self._tickets[rid] = ticket
         self._push(ticket, Accepted(rid))
 
+    def _abort(self, request_id: int) -> None:
+        self.engine.abort(request_id)
+        if self.lead is not None:
+            self.lead.aborted(request_id)
+
+    def _step(self) -> list[Event]:
+        if self.lead is not None:
+            self.lead.step()
+        return self.engine.step()
+
     def _run_step(self) -> None:
         started = time.perf_counter()
-        events = self.engine.step()
+        events = self._step()
         now = time.perf_counter()
         for seq in self.engine.scheduler.running:  # admitted by this step's schedule, at its start
             ticket = self._tickets.get(seq.id)
@@ -257,7 +276,7 @@ class EngineBridge:
         reason = "the server is shutting down" if self.failure is None else f"engine failure: {self.failure!r}"
         for rid, ticket in list(self._tickets.items()):
             try:
-                self.engine.abort(rid)
+                self._abort(rid)
             except Exception:  # noqa: BLE001 - the engine may be the thing that broke
                 pass
             self._push(ticket, Rejected(RuntimeError(reason)))
@@ -270,7 +289,12 @@ class EngineBridge:
             if kind == "submit":
                 self._push(ticket, Rejected(RuntimeError(reason)))
         try:
-            self.engine.step()  # collect the aborts' events so the pool is whole again
+            self._step()  # collect the aborts' events so the pool is whole again
             self.stats = self._stats()
         except Exception:  # noqa: BLE001
             pass
+        if self.lead is not None:
+            try:
+                self.lead.stop()  # the other ranks end their loops
+            except Exception:  # noqa: BLE001 - a rank that is gone already: nothing left to tell
+                pass

@@ -4,6 +4,7 @@ tokens as one process; flag mistakes and refusals are one line before any rank s
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,19 @@ def test_tp_and_pp_print_the_one_process_tokens(tiny_checkpoint, capfd):
     alone = reply(capfd, "-m", model, *BASE)
     assert reply(capfd, "-m", model, *BASE, "--tp", "2")["tokens"] == alone["tokens"]
     assert reply(capfd, "-m", model, *BASE, "--pp", "2", "-ts", "2,1")["tokens"] == alone["tokens"]
+
+
+def test_a_sampling_run_without_a_seed_samples_alike_on_every_rank(tiny_checkpoint, capfd, monkeypatch):
+    """Each rank samples the next token itself: without a seed, the command draws one before the ranks start (here
+    1234, drawn through a stand-in), so the ranks feed the model the same tokens and rank 0 prints what one
+    process with that seed prints."""
+    from poot_core.cli import placed
+
+    model = str(tiny_checkpoint("qwen2"))
+    sampled = [*BASE, "--temp", "1.5"]
+    alone = reply(capfd, "-m", model, *sampled, "-s", "1234")
+    monkeypatch.setattr(placed.np.random, "SeedSequence", lambda: SimpleNamespace(entropy=1234))
+    assert reply(capfd, "-m", model, *sampled, "--tp", "2")["tokens"] == alone["tokens"]
 
 
 @pytest.mark.parametrize(("flags", "words"), [
