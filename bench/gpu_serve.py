@@ -289,6 +289,8 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget (default: its own)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of a decode and a prefill step")
+    ap.add_argument("--capture-mixed", action="store_true",
+                    help="capture mixed serving steps as CUDA graphs too (TritonExecutor.capture_mixed_steps)")
     ap.add_argument("--timeline", action="store_true",
                     help="one more run of each workload under the profiler: device busy time, gaps and host work")
     ap.add_argument("--orders", default="ahead", help="step orders to time: ahead, pipelined (comma-separated)")
@@ -310,6 +312,8 @@ def main() -> int:
 
     handle = random_handle(hf)
     ex = CudaExecutor()
+    ex.capture_mixed_steps = args.capture_mixed
+    result["capture_mixed_steps"] = args.capture_mixed
     for n, prompt, new in workloads:
         row: dict[str, Any] = {"requests": n, "prompt": prompt, "new": new,
                                "floor": floor_seconds(hf, n, prompt, new, tflops, gbps)}

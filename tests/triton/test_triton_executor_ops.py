@@ -181,11 +181,13 @@ def test_a_captured_prefill_replays_only_from_the_starts_it_was_captured_at(tiny
 
 
 @gpu
-def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch, mixed):
     """A paged decode step reads its positions and block tables on the device, so once captured it replays
     whatever its rows hold: in a serving run whose prompts are chunked beside others' decode tokens, each decode
     program (those wider than GRAPH_TOKENS too) runs eagerly only at its first run and its capture (1 + 3 runs)
-    and replays after that; mixed steps run eagerly; the tokens equal those of an executor that never captures."""
+    and replays after that; mixed steps run eagerly, or replay in the same way with capture_mixed_steps; the tokens
+    equal those of an executor that never captures."""
     from poot_core import GenerateRequest, Layout
     from poot_kernels_triton.program import GRAPH_TOKENS, TritonProgram
 
@@ -210,7 +212,9 @@ def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch)
     tokens = {}
     for graphs in (True, False):
         options = DriverOptions(capacity=96, max_running=24, step_tokens=32, prefill_chunk=16)
-        engine = Driver(handle, TritonExecutor(0, use_graphs=graphs), options).serve(Layout.PAGED)
+        executor = TritonExecutor(0, use_graphs=graphs)
+        executor.capture_mixed_steps = mixed
+        engine = Driver(handle, executor, options).serve(Layout.PAGED)
         tokens[graphs] = [[g.tokens for g in engine.generate_batch(batch)] for batch in batches]
         if graphs:
             used = [(shape, prog) for shape, prog in engine._programs.items() if runs.get(id(prog), [0])[0] > 4]
@@ -218,7 +222,7 @@ def test_paged_serving_steps_replay_from_any_start(tiny_checkpoint, monkeypatch)
             assert any(shape.paging.decode and shape.tokens > GRAPH_TOKENS for shape, _ in used)
             for shape, prog in used:
                 total, eagerly = runs[id(prog)]
-                if shape.paging.decode:
+                if shape.paging.decode or mixed:
                     assert prog.use_graph and eagerly <= 4, (shape, total, eagerly)
                 else:
                     assert not prog.use_graph and eagerly == total, (shape, total, eagerly)

@@ -58,6 +58,15 @@ class TritonExecutor:
     name = "triton"
     tuning: Tuning | None = None  # None: the kernels pick tiles from the device they run on
     use_cuda_graphs = True  # False runs decode steps eagerly (debugging, profiling each kernel)
+    # A mixed serving step (prefill chunks beside decode tokens) reads nothing on the host either: its attention
+    # splits decode and prefill tokens on the device. Captured, each step size holds a graph's memory (on the
+    # H200 an engine's 16 sizes took about 9 GiB more than eager steps with one pool shared by the captures, which
+    # then failed an allocator assertion once a first engine's graphs were freed; a pool a capture, as here, may
+    # take more); whether capturing pays is not settled: one
+    # call measured 3398 / 3509 output tok/s (ahead / pipelined) with captures, another 2977 / 3156 without, on
+    # machines that differ by up to 25% from call to call. Off until measured in one call (gpu_serve.py
+    # --capture-mixed against a run without it).
+    capture_mixed_steps = False
     # Step sizes for a GPU (DriverOptions left unset take them): prompts in chunks of 2048 tokens; serving
     # steps of up to 2048 tokens over up to 256 sequences (on the H200, 64 x (512 + 256) ran at 3159 output
     # tok/s with a 2048-token budget against 1306 with the CPU's 256), and a KV pool of 80% of the memory the
@@ -146,10 +155,8 @@ class TritonExecutor:
         # a capture's memory)
         shape = graph.shape
         if shape.paging is not None:
-            # a mixed step reads nothing on the host either (its decode/prefill split is made on the device), but
-            # capturing the mixed step sizes as well gained no throughput on the H200 (3398 against 3373-3390
-            # output tok/s) for about 19 GiB of graph memory, so they run eagerly
-            capturable = shape.paging.decode
+            mixed = self.capture_mixed_steps and not (shape.embedded or shape.sections or shape.grouped)
+            capturable = shape.paging.decode or mixed
         else:
             capturable = shape.tokens <= GRAPH_TOKENS or not graph.state or shape.replayed
         use_graph = self.use_cuda_graphs and capturable and not binder.host_syncs

@@ -118,6 +118,21 @@ def write_paged_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_poo
 
 
 @triton.jit
+def _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size, p_stride_b, p_stride_p,
+              UPCAST: tl.constexpr):  # fmt: skip
+    """A sequence's keys [D, N] and values [N, D] at `kv_pos`, read through its block table (zeros where masked),
+    widened to float32 when UPCAST. Shared by the paged decode and prefill kernels."""
+    block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
+    row = block * p_stride_b + head_off + (kv_pos % block_size).to(tl.int64) * p_stride_p
+    k = tl.load(kp_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :] & dmask[:, None], other=0.0)
+    v = tl.load(vp_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _paged_decode_split_kernel(
     q_ptr,
     kp_ptr,
@@ -173,16 +188,29 @@ def _paged_decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < hi
-        block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
-        row = block * p_stride_b + head_off + (kv_pos % block_size).to(tl.int64) * p_stride_p
-        k = tl.load(kp_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :] & dmask[:, None], other=0.0)
-        v = tl.load(vp_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size, p_stride_b,
+                         p_stride_p, UPCAST)  # fmt: skip
         m_i, l_i, acc = decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
     store_split(mid_o_ptr, mid_lse_ptr, t, heads, split, offs_d, hmask, dmask, acc, l_i, m_i, mo_stride_b,
                 mo_stride_h, mo_stride_s, ml_stride_b, ml_stride_h)  # fmt: skip
+
+
+def _check_paged_query(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor,
+                       seqs: torch.Tensor, tables: torch.Tensor, window: int | None, softcap: float | None
+                       ) -> tuple[int, int, int, int, int]:
+    """The paged attention calls' arguments checked: (tokens, q_heads, head_dim, kv_heads, block_size)."""
+    check_dims("q", q, 3)
+    check_float("q", q)
+    _check_pools(k_pool, v_pool, tables)
+    check_same_device(q, k_pool, v_pool, positions, seqs, tables)
+    _check_attention_options(True, window, softcap)
+    tokens, q_heads, head_dim = q.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    require(k_pool.shape[3] == head_dim, f"pool head size {k_pool.shape[3]} != q head size {head_dim}")
+    require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
+    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
+    require(q.stride(-1) == 1, "q needs a contiguous last dimension")
+    return tokens, q_heads, head_dim, kv_heads, block_size
 
 
 def paged_decode_attention(
@@ -202,17 +230,8 @@ def paged_decode_attention(
     Pools [blocks, kv_heads, block_size, head_dim]; positions, seqs [tokens] and tables [slots, max_blocks]
     int64 on the device (nothing read on the host). window / softcap / scale as in
     attention.prefill_attention. Returns [tokens, q_heads, head_dim] in q's dtype."""
-    check_dims("q", q, 3)
-    check_float("q", q)
-    _check_pools(k_pool, v_pool, tables)
-    check_same_device(q, k_pool, v_pool, positions, seqs, tables)
-    _check_attention_options(True, window, softcap)
-    tokens, q_heads, head_dim = q.shape
-    _, kv_heads, block_size, _ = k_pool.shape
-    require(k_pool.shape[3] == head_dim, f"pool head size {k_pool.shape[3]} != q head size {head_dim}")
-    require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
-    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
-    require(q.stride(-1) == 1, "q needs a contiguous last dimension")
+    tokens, q_heads, head_dim, kv_heads, block_size = _check_paged_query(q, k_pool, v_pool, positions, seqs, tables,
+                                                                         window, softcap)  # fmt: skip
     tuning = tuning_for_device(q.device)
     tile = tuning.paged_decode or tuning.decode
     group = q_heads // kv_heads
@@ -325,13 +344,8 @@ def _paged_prefill_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             kv_pos = n0 + offs_n
             kv_mask = kv_pos < hi
-            block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
-            row = block * p_stride_b + head_off + (kv_pos % block_size).to(tl.int64) * p_stride_p
-            k = tl.load(kp_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :] & dmask[:, None], other=0.0)
-            v = tl.load(vp_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None] & dmask[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
+                             p_stride_b, p_stride_p, UPCAST)  # fmt: skip
             visible = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
@@ -393,17 +407,10 @@ def paged_prefill_attention(
     device's prefill_tile(...).block_m) is up to block_m tokens of one sequence, each seeing keys 0 .. its
     position (causal; window, softcap and scale as in attention.prefill_attention). Arguments as
     paged_decode_attention's; nothing is read on the host, so a step that runs it can be replayed as a graph."""
-    check_dims("q", q, 3)
-    check_float("q", q)
-    _check_pools(k_pool, v_pool, tables)
-    check_same_device(q, k_pool, v_pool, positions, seqs, tables, tiles, out)
-    _check_attention_options(True, window, softcap)
-    tokens, q_heads, head_dim = q.shape
-    _, kv_heads, block_size, _ = k_pool.shape
-    require(k_pool.shape[3] == head_dim, f"pool head size {k_pool.shape[3]} != q head size {head_dim}")
-    require(q_heads % kv_heads == 0, f"{q_heads} query heads do not group over {kv_heads} kv heads")
-    require(positions.shape == (tokens,) and seqs.shape == (tokens,), "positions and seqs must be [tokens]")
-    require(out.shape == q.shape and q.stride(-1) == 1 and out.stride(-1) == 1, "q and out: [tokens, heads, dim]")
+    tokens, q_heads, head_dim, kv_heads, block_size = _check_paged_query(q, k_pool, v_pool, positions, seqs, tables,
+                                                                         window, softcap)  # fmt: skip
+    check_same_device(q, tiles, out)
+    require(out.shape == q.shape and out.stride(-1) == 1, "out must be [tokens, heads, dim] like q")
     tuning = tuning_for_device(q.device)
     tile = prefill_tile(q.device, head_dim)
     launch(
