@@ -9,7 +9,9 @@ Prints decode tok/s for: one process (1 thread, and as many threads as there are
 tensor parallel and 2 ranks pipeline (each rank 1 thread), and the memory floor (weight bytes read per token
 over the measured copy bandwidth); writes bench/results/multi_device.json. The ranks' greedy tokens are checked
 against the single process. On the CPU the ranks share one memory bus, so TP cannot beat the floor; the figure
-shows the placement's overhead.
+shows the placement's overhead. `--serve N` (default 16) also runs N requests at once through the serving engine
+over a two-stage pipeline, with whole steps and with micro-batches (DriverOptions.micro_batches, by default one
+a stage), and prints the output tok/s of both.
 
 With CUDA present it also runs the Llama-3-8B shape (random bf16 weights made on the GPU, 128-token prompt)
 on the CUDA backend: the unplaced driver, and the same model placed tensor-parallel over a one-rank NCCL group
@@ -116,12 +118,39 @@ def gpu_rows(new: int) -> dict[str, Any]:
     return out
 
 
+def served(coordinator: Any, path: str, requests: int, new: int) -> dict[str, Any] | None:
+    """`requests` prompts at once through the serving engine over a two-stage pipeline, with whole steps
+    (micro_batches=1) and with the default micro-batches: output tok/s of each, best of two rounds."""
+    import time
+
+    from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, open_executor
+    from poot_core.distributed import Placement
+
+    out = {}
+    prompts = [[(5 * i + 11 * r) % 200 + 2 for i in range(24 + 8 * (r % 4))] for r in range(requests)]
+    for micro in (1, None):
+        opts = DriverOptions(capacity=256, step_tokens=256, max_running=requests, micro_batches=micro)
+        engine = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement.PIPELINE, open_executor("cpu"),
+                               opts).serve(Layout.PAGED)
+        rates, tokens = [], None
+        for salt in ("warm", "a", "b"):  # a salt a round: no prefix-cache hits between rounds
+            t0 = time.perf_counter()
+            gens = engine.generate_batch([GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts],
+                                         cache_salt=salt)
+            rates.append(sum(len(g.tokens) for g in gens) / (time.perf_counter() - t0))
+            tokens = [g.tokens for g in gens]
+        out["whole_steps" if micro == 1 else "micro_batches"] = {"output_tok_s": max(rates[1:]), "tokens": tokens}
+    return out if coordinator.first else None
+
+
 def main() -> None:
     from poot_core.distributed import Coordinator
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--serve", type=int, default=16, metavar="N",
+                    help="requests through the serving engine over a two-stage pipeline (0: skip)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build(Path(tmp) / "llama", args.layers))
@@ -135,6 +164,7 @@ def main() -> None:
         for name, n, placement in (("placed_1_rank", 1, "tensor"), ("tensor_2_ranks", 2, "tensor"),
                                    ("pipeline_2_ranks", 2, "pipeline")):
             results[name] = Coordinator.spawn(n, placed, path, placement, args.new, **spawn)[0]
+        serving = Coordinator.spawn(2, served, path, args.serve, args.new, **spawn)[0] if args.serve else {}
     reference = results["single_1_thread"]["tokens"]
     floor = bandwidth / weights
     common.log(f"llama shape, {args.layers} layers of 512, bf16, {weights / 2**20:.1f} MiB of weights; floor "
@@ -142,6 +172,10 @@ def main() -> None:
     for name, r in results.items():
         r["same_tokens"] = r["tokens"] == reference
         common.log(f"{name:>18}: decode {r['decode_tok_s']:7.1f} tok/s  tokens equal: {r['same_tokens']}")
+    for name, r in serving.items():
+        r["same_tokens"] = r["tokens"] == serving["whole_steps"]["tokens"]
+        common.log(f"{'serve ' + name:>18}: {r['output_tok_s']:7.1f} output tok/s, {args.serve} requests over a "
+                   f"two-stage pipeline; tokens equal to whole steps: {r['same_tokens']}")
     llama8b: Any = "skipped: no CUDA device"
     if torch.cuda.is_available():
         rows = gpu_rows(args.new)
@@ -157,6 +191,9 @@ def main() -> None:
                                         "new_tokens": args.new,
                                         "results": {k: {"decode_tok_s": v["decode_tok_s"],
                                                         "same_tokens": v["same_tokens"]} for k, v in results.items()},
+                                        "serve_pipeline_2_ranks": {k: {"output_tok_s": v["output_tok_s"],
+                                                                       "same_tokens": v["same_tokens"]}
+                                                                   for k, v in serving.items()},
                                         "llama3_8b": llama8b})
     common.log(f"wrote {out}")
 

@@ -13,6 +13,7 @@ Tensor parallel: the logits are gathered inside the step, so every rank holds al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,15 @@ from poot_core.executor import Capabilities, device_greedy
 from poot_core.graph import Graph, StepShape
 from poot_core.graph import pipeline as stages
 from poot_core.graph import tensor_parallel as tp
+
+
+@dataclass
+class Parts:
+    """A serving step run as several smaller ones (a pipeline's micro-batches): each one's output and how many of
+    its first rows belong to the step, in the step's row order."""
+
+    outs: list[Any]
+    rows: list[int]
 
 
 class Remote:
@@ -124,7 +134,15 @@ class PlacedExecutor:
         engine sizes its pool of KV blocks from, so every rank schedules the same steps."""
         return {"total": int(self.inner.memory()["total"]), "free": min(self.plan.free)}
 
+    @property
+    def stages(self) -> int:
+        """How many pipeline stages a step passes through (1 under tensor parallel)."""
+        return self.coordinator.world if self.placement is Placement.PIPELINE else 1
+
     def to_numpy(self, value: Any) -> np.ndarray:
+        if isinstance(value, Parts):  # each part's rows of the step, joined in order
+            return np.concatenate([self.to_numpy(out)[:, :n] for out, n in zip(value.outs, value.rows, strict=True)],
+                                  axis=1)
         c = self.coordinator
         if self.placement is not Placement.PIPELINE or c.world == 1:
             return self.inner.to_numpy(value)
@@ -149,4 +167,4 @@ class PlacedExecutor:
         return token
 
 
-__all__ = ["PipelineProgram", "PlacedExecutor", "Remote"]
+__all__ = ["Parts", "PipelineProgram", "PlacedExecutor", "Remote"]

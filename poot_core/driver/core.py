@@ -81,6 +81,10 @@ class DriverOptions:
     max_running: int | None = None  # sequences one serving step may hold
     prefix_cache: bool = True
     draft_max_batch: int = 8  # serving: sequences speculate while at most this many run (0: never)
+    # serving on a layer pipeline (Driver.placed, Placement.PIPELINE): each step's sequences run as this many
+    # micro-batches, so the first stage works on the second while the next stage works on the first (None: as
+    # many as there are stages; 1: whole steps)
+    micro_batches: int | None = None
 
 
 def with_defaults(options: DriverOptions, executor: Executor) -> DriverOptions:

@@ -33,7 +33,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -168,6 +168,35 @@ def _bucket(buckets: list[int], n: int) -> int:
     return next(b for b in buckets if b >= n)
 
 
+def _micro_batches(executor: Any, options: Any) -> int:
+    """How many parts a step runs as: on a layer pipeline of several ranks, DriverOptions.micro_batches (default:
+    one a stage); 1 elsewhere."""
+    from poot_core.distributed.executor import PlacedExecutor
+
+    stages = executor.stages if isinstance(executor, PlacedExecutor) else 1
+    if stages == 1:
+        return 1
+    wanted = stages if options.micro_batches is None else options.micro_batches
+    if wanted < 1:
+        raise RequestError(f"micro_batches must be at least 1, got {wanted}")
+    return wanted
+
+
+def micro_batches(batch: list[tuple[Sequence, int]], parts: int) -> list[list[tuple[Sequence, int]]]:
+    """The step's sequences in at most `parts` runs of neighbours, each cut between two sequences (a sequence's
+    chunk is never cut) where the tokens before it come nearest to an equal share; none empty."""
+    counts = list(itertools.accumulate(count for _, count in batch))
+    cuts: list[int] = []
+    for k in range(1, min(parts, len(batch))):
+        target = counts[-1] * k / parts
+        lo = cuts[-1] + 1 if cuts else 1
+        best = min(range(lo, len(batch)), key=lambda b: abs(counts[b - 1] - target), default=None)
+        if best is not None:
+            cuts.append(best)
+    edges = [0, *cuts, len(batch)]
+    return [batch[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
 class ServingDriver:
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
@@ -209,6 +238,7 @@ class ServingDriver:
         self._embedded: set[int] = set()  # requests in flight with prompt embeddings (steps without any skip them)
         # each run of a request's embeddings attends to itself both ways (Gemma 3's images): never split
         self._grouped = driver.handle.family.embedding_groups(driver.config)
+        self._micro = _micro_batches(executor, options)
         self.program(self._shape(1, 1))  # an op the executor cannot run is refused now, before any work
 
     # --- programs -------------------------------------------------------------------------------------
@@ -431,12 +461,10 @@ class ServingDriver:
             groups = embeddings.step_groups(((seq.whole, seq.computed, count) for seq, count in batch), n) \
                 if self._grouped else None
             extra["grouped"] = groups is not None
-        if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
-            width = _bucket(self._seq_buckets, n)
-            shape = self._shape(width, width, decode=True, **extra)
-        else:
-            shape = self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)), **extra)
+        shape = self._step_shape(batch, extra)
         rows = self.prompt_scores.plan(batch)
+        if self._micro > 1 and fed is None and rows is None and not chunks and len(batch) > 1:
+            return self._launch_parts(batch)
         if rows is not None and rows.extra:  # one more sequence slot per scored prompt position
             shape = self._shape(_bucket(self._token_buckets, n),
                                 _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)), **extra)
@@ -462,6 +490,33 @@ class ServingDriver:
         self.steps += 1
         self.scheduler.advance(batch)
         return _Launched(batch, out, rows, ahead.picks(self._requests, batch))
+
+    def _step_shape(self, batch: list[tuple[Sequence, int]], extra: dict[str, Any]) -> StepShape:
+        n = sum(count for _, count in batch)
+        if n == len(batch):  # decode tokens only: one shape for both counts, so token i sits in slot i
+            width = _bucket(self._seq_buckets, n)
+            return self._shape(width, width, decode=True, **extra)
+        return self._shape(_bucket(self._token_buckets, n), _bucket(self._seq_buckets, len(batch)), **extra)
+
+    def _launch_parts(self, batch: list[tuple[Sequence, int]]) -> _Launched | PootError:
+        """A step on a layer pipeline as micro-batches of its sequences, run one after another: each rank sends a
+        part on as soon as it has run it, so the next stage works on it while this one runs the next part. Each
+        row's arithmetic is its own (the steps are batch-invariant), so the tokens are those of the whole step."""
+        from poot_core.distributed.executor import Parts
+
+        parts = micro_batches(batch, self._micro)
+        constraints.prefetch(matcher for seq, count in batch if (matcher := self._requests[seq.id].constraint)
+                             is not None and seq.computed + count == len(seq.tokens))
+        outs = []
+        try:
+            for part in parts:
+                shape = self._step_shape(part, {})
+                outs.append(self.program(shape).run(self._state, self._inputs(shape, part))[0])
+        except PootError as exc:
+            return exc
+        self.steps += 1
+        self.scheduler.advance(batch)
+        return _Launched(batch, Parts(outs, [len(p) for p in parts]), None, ahead.picks(self._requests, batch))
 
     def _failed(self, batch: list[tuple[Sequence, int]], exc: PootError) -> list[Event]:
         """A step that failed to run: its sequences fail, each with the error in its own event."""

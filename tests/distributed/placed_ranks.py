@@ -116,3 +116,26 @@ def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any,
                                       GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts])
         out[key] = [(g.tokens, np.stack(engine.logits[i])) for i, g in enumerate(gens)]
     return out if coordinator is None or coordinator.first else {}
+
+
+def micro_batched(coordinator: Coordinator, path: str, prompts: list[list[int]], new: int) -> Any:
+    """The serving engine over a two-stage pipeline, by micro_batches (1: whole steps; None: the default, one a
+    stage): each request's tokens, the steps run and how many of them ran as parts."""
+    out = {}
+    for micro in (1, None):
+        options = DriverOptions(**{**PAGED, "micro_batches": micro})
+        driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement.PIPELINE, open_executor("cpu"),
+                               options)
+        engine = driver.serve(Layout.PAGED)
+        parted = 0
+        launch_parts = engine._launch_parts
+
+        def counted(batch: Any, launch_parts: Any = launch_parts) -> Any:
+            nonlocal parted
+            parted += 1
+            return launch_parts(batch)
+
+        engine._launch_parts = counted
+        gens = engine.generate_batch([GenerateRequest(p, max_new=new, ignore_eos=True) for p in prompts])
+        out[micro] = ([g.tokens for g in gens], engine.steps, parted)
+    return out

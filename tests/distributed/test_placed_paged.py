@@ -41,3 +41,29 @@ def test_images_on_a_placed_engine_are_refused(tmp_path):
     results = Coordinator.spawn(2, placed_ranks.embeddings_refused, str(path), timeout=600.0,
                                 collective_timeout=60.0, threads=1)
     assert all("prompt embeddings on a placed driver" in r for r in results), results
+
+
+def test_pipeline_steps_run_as_micro_batches(tiny_checkpoint):
+    """On a two-stage pipeline a step of more than one sequence runs as two parts by default (the second stage
+    works on the first part while the first stage runs the second), with the tokens of whole steps."""
+    path = str(tiny_checkpoint("llama"))
+    runs = Coordinator.spawn(2, placed_ranks.micro_batched, path, PROMPTS, NEW, timeout=600.0,
+                             collective_timeout=60.0, threads=1)
+    for ranks in runs:
+        (whole, steps, parted), (micro, micro_steps, micro_parted) = ranks[1], ranks[None]
+        assert micro == whole and micro_steps == steps
+        assert parted == 0 and micro_parted > 0
+    assert runs[0][None][0] == runs[1][None][0]
+
+
+def test_micro_batches_cut_between_sequences_at_equal_shares():
+    from poot_core.driver.engine import micro_batches
+
+    def cut(counts: list[int], parts: int) -> list[list[int]]:
+        return [[c for _, c in part] for part in micro_batches([(object(), c) for c in counts], parts)]
+
+    assert cut([1, 1, 1, 1], 2) == [[1, 1], [1, 1]]
+    assert cut([10, 1, 1], 2) == [[10], [1, 1]]
+    assert cut([1, 1, 10], 2) == [[1, 1], [10]]
+    assert cut([3, 3, 3], 3) == [[3], [3], [3]] and cut([5], 4) == [[5]] and cut([2, 2], 4) == [[2], [2]]
+    assert cut([4, 1, 1, 1, 1], 2) == [[4], [1, 1, 1, 1]]
