@@ -49,14 +49,18 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: 
         raise SystemExit(1) from None
 
 
-def _forward_sigterm(first: Any) -> Any:
+STOP_GRACE = 10.0  # seconds the other ranks get to end after rank 0 did, once a SIGTERM came
+
+
+def _forward_sigterm(first: Any, received: list[float]) -> Any:
     """While the ranks run, a SIGTERM to this process goes to rank 0 instead (a server there drains and tells the
-    others to stop) rather than ending this process and leaving the ranks behind; returns the handler it replaced
-    (None off the main thread, where none can be set)."""
+    others to stop) rather than ending this process and leaving the ranks behind; its time goes into `received`.
+    Returns the handler it replaced (None off the main thread, where none can be set)."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def handler(signum: int, frame: Any) -> None:
+        received.append(time.monotonic())
         if first.is_alive() and first.pid is not None:
             os.kill(first.pid, signal.SIGTERM)
 
@@ -74,11 +78,13 @@ def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: flo
                          daemon=True, name=f"poot-rank-{r}") for r in range(n)]
     for p in procs:
         p.start()
-    forward = _forward_sigterm(procs[0])
+    sigterm: list[float] = []
+    forward = _forward_sigterm(procs[0], sigterm)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     silent_exit: dict[int, float] = {}  # rank -> when it was first seen exited without a report
+    first_gone = 0.0  # when rank 0 was first seen exited after a SIGTERM
     try:
         while len(results) + len(errors) < n and time.monotonic() < deadline:
             try:
@@ -88,6 +94,10 @@ def spawn(n: int, fn: Callable[..., Any], args: tuple[Any, ...], *, timeout: flo
             except queue.Empty:
                 pass
             now = time.monotonic()
+            if sigterm and procs[0].exitcode is not None:
+                first_gone = first_gone or now
+                if now - first_gone > STOP_GRACE:  # stopped by SIGTERM: rank 0 is gone and the others had their
+                    break  # time (a run that is not a server does not tell them; they would wait out a timeout)
             for r, p in enumerate(procs):
                 if r in results or r in errors or p.exitcode is None:
                     continue
