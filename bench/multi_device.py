@@ -10,8 +10,8 @@ tensor parallel and 2 ranks pipeline (each rank 1 thread), and the memory floor 
 over the measured copy bandwidth); writes bench/results/multi_device.json. The ranks' greedy tokens are checked
 against the single process. On the CPU the ranks share one memory bus, so TP cannot beat the floor; the figure
 shows the placement's overhead. `--serve N` (default 16) also runs N requests at once through the serving engine
-over a two-stage pipeline, with whole steps and with micro-batches (DriverOptions.micro_batches, by default one
-a stage), and prints the output tok/s of both.
+over a two-stage pipeline, with whole steps (the default) and in two micro-batches (DriverOptions.micro_batches),
+and prints the output tok/s of both.
 
 With CUDA present it also runs the Llama-3-8B shape (random bf16 weights made on the GPU, 128-token prompt)
 on the CUDA backend: the unplaced driver, and the same model placed tensor-parallel over a one-rank NCCL group
@@ -120,7 +120,7 @@ def gpu_rows(new: int) -> dict[str, Any]:
 
 def served(coordinator: Any, path: str, requests: int, new: int) -> dict[str, Any] | None:
     """`requests` prompts at once through the serving engine over a two-stage pipeline, with whole steps
-    (micro_batches=1) and with the default micro-batches: output tok/s of each, best of two rounds."""
+    (micro_batches=1, the default) and in two micro-batches: output tok/s of each, best of two rounds."""
     import time
 
     from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, open_executor
@@ -128,7 +128,7 @@ def served(coordinator: Any, path: str, requests: int, new: int) -> dict[str, An
 
     out = {}
     prompts = [[(5 * i + 11 * r) % 200 + 2 for i in range(24 + 8 * (r % 4))] for r in range(requests)]
-    for micro in (1, None):
+    for micro in (1, 2):
         opts = DriverOptions(capacity=256, step_tokens=256, max_running=requests, micro_batches=micro)
         engine = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement.PIPELINE, open_executor("cpu"),
                                opts).serve(Layout.PAGED)

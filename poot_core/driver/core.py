@@ -82,9 +82,11 @@ class DriverOptions:
     prefix_cache: bool = True
     draft_max_batch: int = 8  # serving: sequences speculate while at most this many run (0: never)
     # serving on a layer pipeline (Driver.placed, Placement.PIPELINE): each step's sequences run as this many
-    # micro-batches, so the first stage works on the second while the next stage works on the first (None: as
-    # many as there are stages; 1: whole steps)
-    micro_batches: int | None = None
+    # micro-batches, so the first stage works on the second while the next stage works on the first. 1 (whole
+    # steps) by default: where a step reads its weights at the memory's speed (decode), each part reads them again
+    # and takes nearly as long as the whole step (bench/multi_device.py --serve: 142 against 172 output tok/s on
+    # the CPU, 24 layers, 32 requests, two parts); parts pay where a step is compute-bound (long prefills)
+    micro_batches: int = 1
 
 
 def with_defaults(options: DriverOptions, executor: Executor) -> DriverOptions:

@@ -169,17 +169,13 @@ def _bucket(buckets: list[int], n: int) -> int:
 
 
 def _micro_batches(executor: Any, options: Any) -> int:
-    """How many parts a step runs as: on a layer pipeline of several ranks, DriverOptions.micro_batches (default:
-    one a stage); 1 elsewhere."""
+    """How many parts a step runs as: DriverOptions.micro_batches on a layer pipeline of several ranks, else 1."""
     from poot_core.distributed.executor import PlacedExecutor
 
+    if options.micro_batches < 1:
+        raise RequestError(f"micro_batches must be at least 1, got {options.micro_batches}")
     stages = executor.stages if isinstance(executor, PlacedExecutor) else 1
-    if stages == 1:
-        return 1
-    wanted = stages if options.micro_batches is None else options.micro_batches
-    if wanted < 1:
-        raise RequestError(f"micro_batches must be at least 1, got {wanted}")
-    return wanted
+    return options.micro_batches if stages > 1 else 1
 
 
 def micro_batches(batch: list[tuple[Sequence, int]], parts: int) -> list[list[tuple[Sequence, int]]]:

@@ -119,10 +119,10 @@ def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any,
 
 
 def micro_batched(coordinator: Coordinator, path: str, prompts: list[list[int]], new: int) -> Any:
-    """The serving engine over a two-stage pipeline, by micro_batches (1: whole steps; None: the default, one a
-    stage): each request's tokens, the steps run and how many of them ran as parts."""
+    """The serving engine over a two-stage pipeline, by micro_batches (1, the default: whole steps; 2): each
+    request's tokens, the steps run and how many of them ran as parts."""
     out = {}
-    for micro in (1, None):
+    for micro in (1, 2):
         options = DriverOptions(**{**PAGED, "micro_batches": micro})
         driver = Driver.placed(ModelHandle.load(Path(path)), coordinator, Placement.PIPELINE, open_executor("cpu"),
                                options)

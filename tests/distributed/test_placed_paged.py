@@ -44,16 +44,16 @@ def test_images_on_a_placed_engine_are_refused(tmp_path):
 
 
 def test_pipeline_steps_run_as_micro_batches(tiny_checkpoint):
-    """On a two-stage pipeline a step of more than one sequence runs as two parts by default (the second stage
-    works on the first part while the first stage runs the second), with the tokens of whole steps."""
+    """On a two-stage pipeline with micro_batches=2 a step of more than one sequence runs as two parts (the second
+    stage works on the first part while the first stage runs the second), with the tokens of whole steps."""
     path = str(tiny_checkpoint("llama"))
     runs = Coordinator.spawn(2, placed_ranks.micro_batched, path, PROMPTS, NEW, timeout=600.0,
                              collective_timeout=60.0, threads=1)
     for ranks in runs:
-        (whole, steps, parted), (micro, micro_steps, micro_parted) = ranks[1], ranks[None]
+        (whole, steps, parted), (micro, micro_steps, micro_parted) = ranks[1], ranks[2]
         assert micro == whole and micro_steps == steps
         assert parted == 0 and micro_parted > 0
-    assert runs[0][None][0] == runs[1][None][0]
+    assert runs[0][2][0] == runs[1][2][0]
 
 
 def test_micro_batches_cut_between_sequences_at_equal_shares():
