@@ -26,7 +26,7 @@ from helpers.triton_mode import interpreted
 from poot_core import Driver, DriverOptions, Layout, ModelHandle, RequestError, StepShape, Tracer
 from poot_kernels_triton import prefill_attention
 from poot_kernels_triton.executor import TritonExecutor
-from poot_kernels_triton.images import group_limits
+from poot_kernels_triton.images import device_limits, group_check, group_limits
 
 BOUND, NEW = 1e-4, 3
 IMAGES = vision.IMAGES[:1]  # 97 x 53
@@ -106,8 +106,8 @@ def test_prompt_logits_and_greedy_tokens_match_cpu(pair):
 
 @pytest.mark.skipif(interpreted(), reason="captured replays need a GPU (the interpreter runs every step eagerly)")
 def test_a_repeated_prompt_replays_its_prefill_with_each_image(pair):
-    """The runtime's prompt step is marked replayed: on a GPU (except Gemma 3's, whose group attention reads the
-    groups on the host) its second run of a shape is captured and later ones replay it, with each run's own
+    """The runtime's prompt step is marked replayed: on a GPU its second run of a shape is captured and later ones
+    replay it (Gemma 3's too: its group attention makes the key limits on the device), with each run's own
     image features among the inputs: an image of the same size with other pixels between two runs of the first
     gives its own logits, and every run gives the CPU's."""
     cpu, gpu, prompt = pair
@@ -177,6 +177,26 @@ def test_group_limits_refuse_a_group_in_two_runs():
     assert group_limits(np.array([-1, 0, 0, -1, 1]), 3).tolist() == [3, 5, 5, 6, 7]
     with pytest.raises(RequestError, match="not consecutive"):
         group_limits(np.array([0, 0, -1, 0]), 0)
+
+
+def test_device_limits_equal_group_limits_and_the_host_check_refuses_split_groups():
+    """The key limits a contiguous step makes on the device (so Gemma 3's prompt can be captured) equal
+    group_limits on random groups; the host check before each run refuses a group in two runs."""
+    from poot_core import Node
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        runs = [(int(g), int(n)) for g, n in zip(rng.permutation(6) - 2, rng.integers(1, 5, 6), strict=True)]
+        groups = np.array([g for g, n in runs for _ in range(n)])
+        groups = np.where(groups < 0, -1, groups)
+        start = int(rng.integers(0, 20))
+        positions = torch.arange(start, start + len(groups))
+        ours = device_limits(torch.from_numpy(groups), positions)
+        assert ours.tolist() == group_limits(groups, start).tolist()
+    node = Node("group_attention", ("q", "k", "v", "pos", "kc", "vc", "groups"), "o", (1, 4))
+    group_check(node)({"groups": np.array([[0, 0, -1, 1]])})
+    with pytest.raises(RequestError, match="not consecutive"):
+        group_check(node)({"groups": np.array([[0, 0, -1, 0]])})
 
 
 def test_splice_writes_the_rows_and_checks_the_index():

@@ -80,7 +80,32 @@ def group_limits(groups: np.ndarray, start: int) -> np.ndarray:
     return limits.astype(np.int32)
 
 
+def device_limits(groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """group_limits on the device, for a row's groups and positions [T] (the consecutive-run check is the host
+    check's, group_check): each token's own position for text (-1), its run's last position in a group."""
+    tokens = groups.shape[0]
+    index = torch.arange(tokens, device=groups.device)
+    last = torch.ones(tokens, dtype=torch.bool, device=groups.device)
+    last[:-1] = groups[1:] != groups[:-1]
+    run_end = torch.flip(torch.cummin(torch.flip(torch.where(last, index, tokens), [0]), 0).values, [0])
+    return torch.where(groups >= 0, positions[run_end], positions).to(torch.int32)
+
+
+def group_check(node: Node) -> Callable[[dict[str, np.ndarray]], None]:
+    """The host check of a contiguous step's groups, before every run (captured or not): each group's tokens
+    consecutive in their row (group_limits refuses the others)."""
+    groups_name = node.inputs[6].name
+
+    def check(inputs: dict[str, np.ndarray]) -> None:
+        for row in np.asarray(inputs[groups_name]):
+            group_limits(row, 0)
+
+    return check
+
+
 def bind_group_attention(node: Node) -> Callable[[Step], None]:
+    """Each row's key limits are made on the device from its groups; its start position is read on the host, which
+    a captured (replayed) longer step fixes at its capture (program.TritonProgram._same_starts)."""
     q_name, k_name, v_name, pos_name, kc_key, vc_key, groups_name = (r.name for r in node.inputs)
     a = node.attrs
     scale, window, softcap = float(a["scale"]), a.get("window"), a.get("softcap")
@@ -95,7 +120,7 @@ def bind_group_attention(node: Node) -> Callable[[Step], None]:
         for r in range(q.shape[0]):
             start = int(s.host[pos_name][r, 0])
             write_kv(k[r], v[r], kc[r], vc[r], pos[r])
-            limits = torch.from_numpy(group_limits(s.host[groups_name][r], start)).to(q.device)
+            limits = device_limits(s.env[groups_name][r], pos[r])
             outs.append(prefill_attention(q[r].contiguous(), kc[r], vc[r], start, scale=scale, window=window,
                                           softcap=softcap, limits=limits))
         s.env[out] = torch.stack(outs).reshape(shape)
@@ -103,4 +128,4 @@ def bind_group_attention(node: Node) -> Callable[[Step], None]:
     return run
 
 
-__all__ = ["bind_group_attention", "bind_splice", "group_limits", "splice_check"]
+__all__ = ["bind_group_attention", "bind_splice", "device_limits", "group_check", "group_limits", "splice_check"]

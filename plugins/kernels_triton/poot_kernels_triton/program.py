@@ -600,10 +600,14 @@ class Binder:
         return images.bind_splice(node)
 
     def op_group_attention(self, node: Node) -> StepFn:
-        self.host_syncs = True  # each row's start and its groups' runs are read on the host
         if node.input(7) is not None:  # a paged step: a run of a sequence holding a group sees it both ways
+            self.host_syncs = True  # each run's start and groups are read on the host
             decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
             return paged_step.bind_attention(node, decode_only, grouped=True)
+        # contiguous: the key limits are made on the device and the groups checked on the host before each run;
+        # the rows' starts are read on the host, which only a longer step fixes at its capture
+        self.host_checks.append(images.group_check(node))
+        self.host_syncs = self.host_syncs or not reads_host_starts(self.graph.shape)
         return images.bind_group_attention(node)
 
     def op_layer_norm(self, node: Node) -> StepFn:
