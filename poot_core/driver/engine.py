@@ -474,9 +474,7 @@ class ServingDriver:
             inputs |= self.driver.handle.family.step_constants(self.driver.config, shape)
         if rows is not None:
             self.prompt_scores.point(rows, inputs["logit_index"])
-        constraints.prefetch(  # the masks of the rows this step samples are built while it runs
-            matcher for seq, count in batch
-            if (matcher := self._requests[seq.id].constraint) is not None and seq.computed + count == len(seq.tokens))
+        self._prefetch(batch)
         try:
             program = self.program(shape)
             out = (program.run(self._state, inputs) if fed is None
@@ -486,6 +484,12 @@ class ServingDriver:
         self.steps += 1
         self.scheduler.advance(batch)
         return _Launched(batch, out, rows, ahead.picks(self._requests, batch))
+
+    def _prefetch(self, batch: list[tuple[Sequence, int]]) -> None:
+        """The masks of the rows this step samples, built while it runs."""
+        constraints.prefetch(
+            matcher for seq, count in batch
+            if (matcher := self._requests[seq.id].constraint) is not None and seq.computed + count == len(seq.tokens))
 
     def _step_shape(self, batch: list[tuple[Sequence, int]], extra: dict[str, Any]) -> StepShape:
         n = sum(count for _, count in batch)
@@ -501,8 +505,7 @@ class ServingDriver:
         from poot_core.distributed.executor import Parts
 
         parts = micro_batches(batch, self._micro)
-        constraints.prefetch(matcher for seq, count in batch if (matcher := self._requests[seq.id].constraint)
-                             is not None and seq.computed + count == len(seq.tokens))
+        self._prefetch(batch)
         outs = []
         try:
             for part in parts:
