@@ -457,10 +457,10 @@ class ServingDriver:
             groups = embeddings.step_groups(((seq.whole, seq.computed, count) for seq, count in batch), n) \
                 if self._grouped else None
             extra["grouped"] = groups is not None
-        shape = self._step_shape(batch, extra)
         rows = self.prompt_scores.plan(batch)
         if self._micro > 1 and fed is None and rows is None and not chunks and len(batch) > 1:
             return self._launch_parts(batch)
+        shape = self._step_shape(batch, extra)
         if rows is not None and rows.extra:  # one more sequence slot per scored prompt position
             shape = self._shape(_bucket(self._token_buckets, n),
                                 _bucket(self.prompt_scores.slot_buckets, len(batch) + len(rows.extra)), **extra)

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import pickle
 import queue
-import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 
-from helpers.server import free_port
+from helpers.server import Server, start_server
 from poot_core import Driver, DriverOptions, GenerateRequest, Layout, ModelHandle, Sampler, open_executor
 from poot_core.driver.engine import FinishedEvent
 from poot_core.server.ranks import Lead, follow
@@ -106,22 +102,9 @@ BODIES = [{"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "logprobs"
           {"prompt": "hello", "max_tokens": 6, "temperature": 1.0}]  # no seed: rank 0 draws one
 
 
-def _serve(path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "poot_core.cli.main", "serve", "-m", str(path), "--port", str(port), "--backend",
-            "cpu", "-t", "1", "-c", "128", "--served-model-name", "tiny", *flags]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"poot serve {' '.join(flags)} did not start:\n{proc.communicate()[1]}")
+def _serve(path, *flags: str) -> Server:
+    """poot serve of the tiny checkpoint (helpers.server, whose own -m, name and window these flags replace)."""
+    return start_server("-m", str(path), "--served-model-name", "tiny", "-c", "128", *flags)
 
 
 def _answers(url: str) -> list[dict]:
@@ -143,23 +126,21 @@ def _answers(url: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_process(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    proc, url = _serve(path)
+    server = _serve(path)
     try:
-        yield path, _answers(url)
+        yield path, _answers(server.url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        server.stop()
 
 
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")])
 def test_the_server_over_two_ranks_answers_as_one_process_does(one_process, flags):
     path, alone = one_process
-    proc, url = _serve(path, *flags)
+    server = _serve(path, *flags)
     try:
-        placed = _answers(url)
+        placed = _answers(server.url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+        code = server.stop(timeout=120)
     assert [status for status, _ in placed] == [200, 200, 200], placed
     for (_, ours), (_, ref) in zip(placed[:2], alone[:2], strict=True):
         assert ours["choices"][0]["text"] == ref["choices"][0]["text"]

@@ -88,6 +88,8 @@ def record_all_launches() -> list:
         tiles = torch.zeros(2, dtype=torch.int64)
         paged_prefill_attention(q, pool, pool, pos, pos, tables, tiles, q.clone())
         paged_prefill_attention(q, pool, pool, pos, pos, tables, tiles, q.clone(), window=16, softcap=30.0)
+        paged_prefill_attention(q, pool, pool, pos, pos, tables, tiles, q.clone(), window=16,
+                                limits=torch.zeros(4, dtype=torch.int32))  # group attention's
         for m in (1, 16):
             xm = torch.zeros(m, 512, dtype=bf)
             ktr.linear(xm, torch.zeros(256, 512, dtype=bf), torch.zeros(256, dtype=bf))

@@ -80,13 +80,17 @@ def group_limits(groups: np.ndarray, start: int) -> np.ndarray:
     return limits.astype(np.int32)
 
 
-def device_limits(groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def device_limits(groups: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor | None = None) -> torch.Tensor:
     """group_limits on the device, for a row's groups and positions [T] (the consecutive-run check is the host
-    check's, group_check): each token's own position for text (-1), its run's last position in a group."""
+    check's, group_check): each token's own position for text (-1), its run's last position in a group. seqs
+    [T]: a paged step's sequence of each token (a run also ends where the sequence changes: group numbers are
+    each sequence's own)."""
     tokens = groups.shape[0]
     index = torch.arange(tokens, device=groups.device)
     last = torch.ones(tokens, dtype=torch.bool, device=groups.device)
     last[:-1] = groups[1:] != groups[:-1]
+    if seqs is not None:
+        last[:-1] |= seqs[1:] != seqs[:-1]
     run_end = torch.flip(torch.cummin(torch.flip(torch.where(last, index, tokens), [0]), 0).values, [0])
     return torch.where(groups >= 0, positions[run_end], positions).to(torch.int32)
 

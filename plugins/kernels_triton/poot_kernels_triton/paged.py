@@ -295,6 +295,7 @@ def _paged_prefill_kernel(
     seq_ptr,
     tab_ptr,
     tile_ptr,
+    limits_ptr,
     tokens,
     block_size,
     scale,
@@ -313,6 +314,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -325,6 +327,9 @@ def _paged_prefill_kernel(
         offs_m = t0 + tl.arange(0, BLOCK_M)
         mine = (offs_m < tokens) & (tl.load(seq_ptr + offs_m, mask=offs_m < tokens, other=-1) == seq)
         q_pos = tl.load(pos_ptr + offs_m, mask=mine, other=0).to(tl.int32)
+        limit = q_pos  # the last key each query sees: its own position, or its image's last (group attention)
+        if HAS_LIMITS:
+            limit = tl.load(limits_ptr + offs_m, mask=mine, other=0)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d < head_dim
@@ -332,7 +337,7 @@ def _paged_prefill_kernel(
                     mask=mine[:, None] & dmask[None, :], other=0.0)  # fmt: skip
         if UPCAST:
             q = q.to(tl.float32)
-        hi = tl.max(tl.where(mine, q_pos, 0), axis=0) + 1
+        hi = tl.max(tl.where(mine, limit, 0), axis=0) + 1
         lo = 0
         if HAS_WINDOW:  # key tiles aligned to absolute positions, as for any other run of the sequence
             lo = (tl.maximum(0, tl.load(pos_ptr + t0).to(tl.int32) - window + 1) // BLOCK_N) * BLOCK_N
@@ -346,7 +351,7 @@ def _paged_prefill_kernel(
             kv_mask = kv_pos < hi
             k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
                              p_stride_b, p_stride_p, UPCAST)  # fmt: skip
-            visible = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            visible = kv_mask[None, :] & (kv_pos[None, :] <= limit[:, None])
             if HAS_WINDOW:
                 visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
             m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
@@ -401,16 +406,20 @@ def paged_prefill_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    limits: torch.Tensor | None = None,
 ) -> None:
     """The prefill tokens of a flat step attend through their tables, written into `out` [tokens, q_heads,
     head_dim] (other tokens' rows are left as they are): each tile of `tiles` (prefill_tiles, made with this
     device's prefill_tile(...).block_m) is up to block_m tokens of one sequence, each seeing keys 0 .. its
-    position (causal; window, softcap and scale as in attention.prefill_attention). Arguments as
+    position (causal; window, softcap and scale as in attention.prefill_attention), or to limits[t] (int32
+    [tokens], at least its position: group attention's image tokens see their whole image). Arguments as
     paged_decode_attention's; nothing is read on the host, so a step that runs it can be replayed as a graph."""
     tokens, q_heads, head_dim, kv_heads, block_size = _check_paged_query(q, k_pool, v_pool, positions, seqs, tables,
                                                                          window, softcap)  # fmt: skip
-    check_same_device(q, tiles, out)
+    check_same_device(q, tiles, out, *([] if limits is None else [limits]))
     require(out.shape == q.shape and out.stride(-1) == 1, "out must be [tokens, heads, dim] like q")
+    require(limits is None or (limits.shape == (tokens,) and limits.dtype == torch.int32),
+            "limits must be int32 [tokens]")
     tuning = tuning_for_device(q.device)
     tile = prefill_tile(q.device, head_dim)
     launch(
@@ -425,6 +434,7 @@ def paged_prefill_attention(
         seq_ptr=seqs,
         tab_ptr=tables,
         tile_ptr=tiles,
+        limits_ptr=tiles if limits is None else limits,
         tokens=tokens,
         block_size=block_size,
         **score_args(head_dim, scale, softcap, window),
@@ -440,18 +450,11 @@ def paged_prefill_attention(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
+        HAS_LIMITS=limits is not None,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
         UPCAST=tuning.upcast_dot,
     )
 
 
-def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """pool [blocks, H, B, D] -> the listed blocks as one contiguous cache [H, len(blocks) * B, D] (a copy)."""
-    picked = pool[blocks]
-    n, heads, size, dim = picked.shape
-    return picked.transpose(0, 1).reshape(heads, n * size, dim).contiguous()
-
-
-__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "prefill_tile", "prefill_tiles",
-           "write_paged_kv"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "prefill_tile", "prefill_tiles", "write_paged_kv"]

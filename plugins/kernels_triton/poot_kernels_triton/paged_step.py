@@ -10,9 +10,8 @@ The split between the two is made on the device (paged.prefill_tiles), so no ste
 a step of decode tokens only (Paging.decode) skips the split and is replayed as a CUDA graph (mixed steps run
 eagerly: executor.prepare says why). Each token's arithmetic is the same whatever else shares its step.
 
-Gemma 3's group attention (an image's tokens see each other both ways) keeps the older route: the step is
-split on the host, each prefill run's blocks gathered into a contiguous cache for the contiguous prefill
-kernel with per-query key limits (such steps run eagerly).
+Gemma 3's group attention (an image's tokens see each other both ways) takes the same route, with each query's
+last visible key made on the device from the step's groups (images.device_limits).
 """
 
 from __future__ import annotations
@@ -20,23 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from poot_core.graph import Node, sequence_runs
+from poot_core.graph import Node
 
-from . import host
-from .attention import prefill_attention
-from .images import group_limits
-from .launch import cdiv
-from .paged import (
-    gather_blocks,
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_tile,
-    prefill_tiles,
-    write_paged_kv,
-)
+from .images import device_limits
+from .paged import paged_decode_attention, paged_prefill_attention, prefill_tile, prefill_tiles, write_paged_kv
 
 if TYPE_CHECKING:
     from .program import Step
@@ -45,7 +33,7 @@ if TYPE_CHECKING:
 def bind_attention(node: Node, decode_only: bool, grouped: bool = False) -> Callable[[Step], None]:
     """decode_only (Paging.decode): one paged decode launch over every token, nothing read on the host.
     grouped (the group_attention op): a prefill run's tokens of one group (an image's, whole in the run) also see
-    each other both ways, through the prefill kernel's last visible key per query (images.group_limits)."""
+    each other both ways, through the prefill kernel's last visible key per query (images.device_limits)."""
     names = [r.name for r in node.inputs]
     groups_name = names.pop(6) if grouped else None
     q_name, k_name, v_name, pos_name, kp_key, vp_key, seq_name, tab_name = names
@@ -62,37 +50,20 @@ def bind_attention(node: Node, decode_only: bool, grouped: bool = False) -> Call
             out = paged_decode_attention(q, kp, vp, pos, seqs, tables, scale=scale, window=window, softcap=softcap)
             s.env[out_name] = out.reshape(shape)
             return
-        if groups_name is None:
-            s.env[out_name] = _device_split(s, q, kp, vp, pos, seqs, tables, scale, window, softcap).reshape(shape)
-            return
-        key = ("paged", seq_name, window, kp.shape[2])  # every layer of this window shares the step's split
-        plan = s.cache.get(key)
-        if plan is None:
-            plan = s.cache[key] = _plan(s.host[seq_name], s.host[pos_name][0], s.host[tab_name], window,
-                                        kp.shape[2], q.device)
-        decode, chunks = plan
-        out = torch.zeros(q.shape[0], q.shape[1], vp.shape[-1], dtype=q.dtype, device=q.device)
-        if decode is not None:
-            out[decode] = paged_decode_attention(q[decode], kp, vp, pos[decode], seqs[decode], tables, scale=scale,
-                                                 window=window, softcap=softcap)
-        for t0, t1, blocks, start, kv_len in chunks:
-            kc, vc = gather_blocks(kp, blocks), gather_blocks(vp, blocks)
-            limits = None
-            if groups_name is not None and (s.host[groups_name][0, t0:t1] >= 0).any():
-                limits = torch.from_numpy(group_limits(s.host[groups_name][0, t0:t1], start)).to(q.device)
-            out[t0:t1] = prefill_attention(q[t0:t1], kc, vc, start, kv_len=kv_len, scale=scale, window=window,
-                                           softcap=softcap, limits=limits)
-        s.env[out_name] = out.reshape(shape)
+        limits = None if groups_name is None else device_limits(s.env[groups_name][0], pos, seqs)
+        s.env[out_name] = _device_split(s, q, kp, vp, pos, seqs, tables, scale, window, softcap,
+                                        limits).reshape(shape)
 
     return run
 
 
 def _device_split(s: Step, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor,
                   seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int | None,
-                  softcap: float | None) -> torch.Tensor:
+                  softcap: float | None, limits: torch.Tensor | None) -> torch.Tensor:
     """A mixed step's attention with nothing read on the host: its decode tokens (one-token runs) through the
-    paged decode kernel, its prefill runs' query tiles through the paged prefill kernel; the split is made once
-    per step on the device (paged.prefill_tiles) and shared by every layer."""
+    paged decode kernel, its prefill runs' query tiles through the paged prefill kernel (with each query's last
+    key, `limits`, under group attention); the split is made once per step on the device (paged.prefill_tiles)
+    and shared by every layer."""
     key = ("paged tiles", q.shape[-1])
     split = s.cache.get(key)
     if split is None:
@@ -107,7 +78,8 @@ def _device_split(s: Step, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, 
         q[at], kp, vp, pos[at], torch.where(listed, seqs[at], -1), tables, scale=scale, window=window,
         softcap=softcap)  # fmt: skip
     out = out[:tokens]
-    paged_prefill_attention(q, kp, vp, pos, seqs, tables, tiles, out, scale=scale, window=window, softcap=softcap)
+    paged_prefill_attention(q, kp, vp, pos, seqs, tables, tiles, out, scale=scale, window=window, softcap=softcap,
+                            limits=limits)
     return out
 
 
@@ -125,26 +97,6 @@ def few_tokens_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = paged_decode_attention(q.reshape(rows * tokens, q.shape[2], q.shape[3]), k_cache, v_cache,
                                  positions.reshape(-1), seqs, tables, scale=scale, window=window, softcap=softcap)
     return out.reshape(q.shape[0], tokens, q.shape[2], -1)
-
-
-Chunk = tuple[int, int, torch.Tensor, int, int]  # tokens [t0, t1), their blocks, start and kv_len in those blocks
-
-
-def _plan(seq_index: np.ndarray, positions: np.ndarray, tables: np.ndarray, window: int | None, block_size: int,
-          device: torch.device) -> tuple[torch.Tensor | None, list[Chunk]]:
-    """The step's decode tokens (a device index, None without any) and its prefill chunks, from the host inputs."""
-    found = list(sequence_runs(np.asarray(seq_index)))
-    decode = [t0 for _, t0, t1 in found if t1 - t0 == 1]
-    chunks = []
-    for slot, t0, t1 in found:
-        if t1 - t0 == 1:
-            continue
-        start, end = int(positions[t0]), int(positions[t1 - 1]) + 1
-        first = 0 if window is None else max(0, start - window + 1)  # keys before it are never read
-        lo = first // block_size
-        blocks = host.to_device(tables[slot, lo : cdiv(end, block_size)], device)  # not waiting (host.py)
-        chunks.append((t0, t1, blocks, start - lo * block_size, end - lo * block_size))
-    return (host.to_device(np.array(decode), device) if decode else None), chunks
 
 
 __all__ = ["bind_attention", "few_tokens_attention"]

@@ -601,7 +601,6 @@ class Binder:
 
     def op_group_attention(self, node: Node) -> StepFn:
         if node.input(7) is not None:  # a paged step: a run of a sequence holding a group sees it both ways
-            self.host_syncs = True  # each run's start and groups are read on the host
             decode_only = self.graph.shape.paging is not None and self.graph.shape.paging.decode
             return paged_step.bind_attention(node, decode_only, grouped=True)
         # contiguous: the key limits are made on the device and the groups checked on the host before each run;
