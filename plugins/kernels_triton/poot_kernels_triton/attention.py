@@ -113,7 +113,22 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = k_ptr + kvh.to(tl.int64) * k_stride_h
     v_base = v_ptr + kvh.to(tl.int64) * v_stride_h
-    for n0 in range(lo, hi, BLOCK_N):
+    # key tiles below `full` are seen whole by every query of the tile: they skip the per-score mask (the sums
+    # are the same either way, a masked score adds exactly zero); a window masks every tile
+    full = lo
+    if not HAS_WINDOW:
+        seen = kv_len
+        if HAS_LIMITS:
+            seen = tl.min(tl.where(offs_m < tokens, limit, kv_len), axis=0) + 1
+        elif CAUSAL:
+            seen = start + mb * BLOCK_M + 1
+        full = (tl.minimum(seen, kv_len) // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, full, BLOCK_N):
+        kv_pos = n0 + offs_n
+        kv_mask = kv_pos < kv_len
+        k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
+        m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+    for n0 in range(full, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)

@@ -346,7 +346,18 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        # key tiles below `full` are seen whole by every query of the tile: they skip the per-score mask (the sums
+        # are the same either way, a masked score adds exactly zero); a window masks every tile
+        full = lo
+        if not HAS_WINDOW:
+            full = ((tl.min(tl.where(mine, limit, hi), axis=0) + 1) // BLOCK_N) * BLOCK_N
+        for n0 in range(lo, full, BLOCK_N):
+            kv_pos = n0 + offs_n
+            kv_mask = kv_pos < hi
+            k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
+                             p_stride_b, p_stride_p, UPCAST)  # fmt: skip
+            m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+        for n0 in range(full, hi, BLOCK_N):
             kv_pos = n0 + offs_n
             kv_mask = kv_pos < hi
             k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
