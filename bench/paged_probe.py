@@ -112,7 +112,7 @@ def prefill_case(case: str, shipped: Any) -> dict[str, Any]:
                                       for name, tile in PREFILL_TILES.items()]  # fmt: skip
     for label, tuning in runs:
         with use_tuning(tuning):
-            tiles = prefill_tiles(slots, prefill_tile(q.device, DIM).block_m, seqs)[0]
+            tiles = prefill_tiles(slots, positions, prefill_tile(q.device, DIM).block_m, seqs)[0]
 
         def call(tuning: Any = tuning, tiles: torch.Tensor = tiles) -> None:
             with use_tuning(tuning):
@@ -130,7 +130,7 @@ def prefill_case(case: str, shipped: Any) -> dict[str, Any]:
         qt = qs.transpose(1, 2).contiguous()
         timed("torch sdpa (flash)", lambda: F.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True))
         with use_tuning(shipped):
-            tiles = prefill_tiles(slots, prefill_tile(q.device, DIM).block_m, seqs)[0]
+            tiles = prefill_tiles(slots, positions, prefill_tile(q.device, DIM).block_m, seqs)[0]
             paged_prefill_attention(q, k_pool, v_pool, positions, slots, tables, tiles, result, scale=DIM**-0.5)
         want = F.scaled_dot_product_attention(qt.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
         row["shipped_max_abs_error_vs_float32"] = float((result.view(seqs, new, Q_HEADS, DIM).transpose(1, 2).float()

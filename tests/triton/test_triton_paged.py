@@ -78,7 +78,8 @@ def test_paged_decode_kernel_against_float64_over_random_tables(dtype, window, s
 def test_a_mixed_step_attends_on_the_device_through_its_tables(dtype, window, softcap):
     """A mixed step's prefill runs (longer than one query tile, and short) through the paged prefill kernel and its
     decode tokens through the paged decode kernel, split by prefill_tiles on the device: every token against the
-    float64 reference, padding zero; the tile list holds each run's tiles and is padded with -1."""
+    float64 reference, padding zero; the tile list holds each run's tiles, those that see the most keys first, and
+    is padded with -1."""
     from poot_kernels_triton.paged import paged_prefill_attention, prefill_tile, prefill_tiles
 
     gen = torch.Generator().manual_seed(4)
@@ -94,9 +95,10 @@ def test_a_mixed_step_attends_on_the_device_through_its_tables(dtype, window, so
     capacity = width * block
     assert int(positions.max()) < capacity
     q = torch.randn(len(seqs), q_heads, dim, generator=gen).to(dtype).to(DEVICE)
-    tiles, decode = prefill_tiles(seqs.to(DEVICE), block_m, slots)
+    tiles, decode = prefill_tiles(seqs.to(DEVICE), positions.to(DEVICE), block_m, slots)
     first = [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
     expect = sorted(first[i] + j for i, (*_, n) in enumerate(runs) if n > 1 for j in range(0, n, block_m))
+    expect.sort(key=lambda t: -int(positions[t]))  # the tiles that see the most keys first
     bound = -(-len(seqs) // block_m) + slots
     assert tiles.cpu().tolist() == expect + [-1] * (bound - len(expect))
     singles = [first[i] for i, (*_, n) in enumerate(runs) if n == 1]

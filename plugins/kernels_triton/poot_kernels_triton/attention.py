@@ -83,8 +83,10 @@ def _prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    mb = tl.program_id(0)
-    h = tl.program_id(1)
+    # the grid is (heads, query tiles): the heads of one tile run side by side (sharing its keys in the cache),
+    # and the last tiles, which see the most keys, start first so the short ones fill the end
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
     kvh = h // GROUP
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -157,11 +159,14 @@ def _check_attention_options(causal: bool, window: int | None, softcap: float | 
         require(softcap > 0, f"soft-cap must be positive, got {softcap}")
 
 
-def score_args(head_dim: int, scale: float | None, softcap: float | None, window: int | None) -> dict:
-    """The score arguments both attention kernels take: the scale (1/sqrt(head_dim) unless given), the softcap
-    (1.0 when off: the kernels test HAS_SOFTCAP), the window (0 when off) and the head size."""
+def score_args(head_dim: int, scale: float | None, softcap: float | None, window: int | None,
+               tuning: Tuning) -> dict:  # fmt: skip
+    """The score arguments every attention kernel takes: the scale (1/sqrt(head_dim) unless given), the softcap
+    (1.0 when off) and the window (0 when off) with their switches HAS_SOFTCAP and HAS_WINDOW, the head size, and
+    UPCAST (the target widens tl.dot operands)."""
     return {"scale": float(scale if scale is not None else 1.0 / math.sqrt(head_dim)),
-            "softcap": float(softcap or 1.0), "window": int(window or 0), "head_dim": head_dim}
+            "softcap": float(softcap or 1.0), "window": int(window or 0), "head_dim": head_dim,
+            "HAS_WINDOW": window is not None, "HAS_SOFTCAP": softcap is not None, "UPCAST": tuning.upcast_dot}
 
 
 def _prefill_shared(tile: Tile, block_d: int) -> int:
@@ -240,7 +245,7 @@ def prefill_attention(
     tile = fitted_prefill_tile(tuning.prefill, block_d)
     launch(
         _prefill_kernel,
-        (cdiv(tokens, tile.block_m), q_heads),
+        (q_heads, cdiv(tokens, tile.block_m)),
         tile,
         q_ptr=q,
         k_ptr=k_cache,
@@ -250,7 +255,7 @@ def prefill_attention(
         tokens=tokens,
         start=start,
         kv_len=kv_len,
-        **score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window, tuning),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_h=k_cache.stride(0),
@@ -265,9 +270,6 @@ def prefill_attention(
         BLOCK_D=block_d,
         CAUSAL=causal,
         HAS_LIMITS=limits is not None,
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        UPCAST=tuning.upcast_dot,
     )
     return out
 
@@ -482,7 +484,7 @@ def decode_attention(
         mid_o_ptr=mid_o,
         mid_lse_ptr=mid_lse,
         split_size=split_size,
-        **score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window, tuning),
         q_stride_b=q.stride(0),
         q_stride_h=q.stride(1),
         k_stride_b=k_cache.stride(0),
@@ -500,9 +502,6 @@ def decode_attention(
         BLOCK_H=max(tile.block_m, next_pow2(group)),
         BLOCK_N=tile.block_n,
         BLOCK_D=block_d,
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        UPCAST=tuning.upcast_dot,
     )
     merge_splits(mid_o, mid_lse, out, tuning)
     return out

@@ -261,7 +261,7 @@ def paged_decode_attention(
         mid_lse_ptr=mid_lse,
         split_size=split_size,
         block_size=block_size,
-        **score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window, tuning),
         tab_stride=tables.stride(0),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
@@ -277,9 +277,6 @@ def paged_decode_attention(
         BLOCK_H=max(tile.block_m, next_pow2(group)),
         BLOCK_N=tile.block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        UPCAST=tuning.upcast_dot,
     )
     merge_splits(mid_o, mid_lse, out, tuning)
     return out
@@ -319,9 +316,9 @@ def _paged_prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    t0 = tl.load(tile_ptr + tl.program_id(0))
+    t0 = tl.load(tile_ptr + tl.program_id(1))
     if t0 >= 0:  # the tile list is padded with -1 to its bound
-        h = tl.program_id(1)
+        h = tl.program_id(0)  # the heads of one tile run side by side, sharing its keys
         seq = tl.load(seq_ptr + t0)
         # up to BLOCK_M tokens from t0 on, those of t0's sequence (its run is contiguous in the step)
         offs_m = t0 + tl.arange(0, BLOCK_M)
@@ -386,12 +383,13 @@ def _listed(flags: torch.Tensor, size: int) -> torch.Tensor:
     return out[:size]
 
 
-def prefill_tiles(seqs: torch.Tensor, block_m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_tiles(seqs: torch.Tensor, positions: torch.Tensor, block_m: int, slots: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """From a flat step's sequence slots [tokens] (-1: padding; each sequence's tokens one contiguous run, at most
     `slots` sequences), on the device with nothing read on the host: the first token of every query tile of the
-    runs longer than one token (tiles of block_m tokens from each run's start), padded with -1 to
-    cdiv(tokens, block_m) + slots entries; and the tokens of the one-token runs (decode tokens), padded with -1
-    to `slots` entries."""
+    runs longer than one token (tiles of block_m tokens from each run's start), those whose first query stands
+    latest (`positions` [tokens]) first, padded with -1 to cdiv(tokens, block_m) + slots entries; and the tokens
+    of the one-token runs (decode tokens), padded with -1 to `slots` entries."""
     tokens = seqs.shape[0]
     index = torch.arange(tokens, device=seqs.device)
     edge = seqs.new_full((1,), -2)
@@ -401,7 +399,11 @@ def prefill_tiles(seqs: torch.Tensor, block_m: int, slots: int) -> tuple[torch.T
     single = starts & (seqs != after)
     run_start = torch.cummax(torch.where(starts, index, 0), 0).values
     first = real & ~single & ((index - run_start) % block_m == 0)
-    return _listed(first, cdiv(tokens, block_m) + slots), _listed(single, slots)
+    tiles = _listed(first, cdiv(tokens, block_m) + slots)
+    # the tiles that see the most keys first (their first query's position, the padding last), so that the short
+    # ones fill the end of the launch
+    work = torch.where(tiles >= 0, positions[tiles.clamp(min=0)], -1)
+    return tiles[torch.argsort(work, descending=True, stable=True)], _listed(single, slots)
 
 
 def paged_prefill_attention(
@@ -435,7 +437,7 @@ def paged_prefill_attention(
     tile = prefill_tile(q.device, head_dim)
     launch(
         _paged_prefill_kernel,
-        (tiles.shape[0], q_heads),
+        (q_heads, tiles.shape[0]),
         tile,
         q_ptr=q,
         kp_ptr=k_pool,
@@ -448,7 +450,7 @@ def paged_prefill_attention(
         limits_ptr=tiles if limits is None else limits,
         tokens=tokens,
         block_size=block_size,
-        **score_args(head_dim, scale, softcap, window),
+        **score_args(head_dim, scale, softcap, window, tuning),
         tab_stride=tables.stride(0),
         q_stride_t=q.stride(0),
         q_stride_h=q.stride(1),
@@ -462,9 +464,6 @@ def paged_prefill_attention(
         BLOCK_N=tile.block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
         HAS_LIMITS=limits is not None,
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        UPCAST=tuning.upcast_dot,
     )
 
 

@@ -67,7 +67,8 @@ def _device_split(s: Step, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, 
     key = ("paged tiles", q.shape[-1])
     split = s.cache.get(key)
     if split is None:
-        split = s.cache[key] = prefill_tiles(seqs, prefill_tile(q.device, q.shape[-1]).block_m, tables.shape[0])
+        split = s.cache[key] = prefill_tiles(seqs, pos, prefill_tile(q.device, q.shape[-1]).block_m,
+                                             tables.shape[0])
     tiles, decode = split
     tokens = q.shape[0]
     # a spare last row takes the padding entries of the decode list; padding tokens' rows stay zero
