@@ -83,17 +83,17 @@ def test_a_mixed_step_attends_on_the_device_through_its_tables(dtype, window, so
     from poot_kernels_triton.paged import paged_prefill_attention, prefill_tile, prefill_tiles
 
     gen = torch.Generator().manual_seed(4)
-    blocks, kv_heads, block, dim, q_heads, slots, width = 60, 2, 4, 16, 4, 5, 10
-    k_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
-    v_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
-    tables = torch.randperm(blocks, generator=gen)[: slots * width].reshape(slots, width)
+    kv_heads, block, dim, q_heads, slots = 2, 4, 16, 4, 5
     block_m = prefill_tile(DEVICE, dim).block_m
-    long_run = block_m + 3  # two query tiles, the second partial
+    long_run = block_m + 3  # two query tiles, the second partial (the device's tile: 16 interpreted, 128 on a GPU)
     runs = [(3, 30, 1), (1, 2, long_run), (4, 11, 1), (0, 0, 5), (2, 9, 2)]  # (slot, first position, tokens)
     seqs = torch.tensor([s for s, _, n in runs for _ in range(n)] + [-1, -1])
     positions = torch.tensor([p + i for _, p, n in runs for i in range(n)] + [0, 0])
-    capacity = width * block
-    assert int(positions.max()) < capacity
+    width = -(-(int(positions.max()) + 1) // block)
+    blocks = slots * width + 10
+    k_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
+    v_pool = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype).to(DEVICE)
+    tables = torch.randperm(blocks, generator=gen)[: slots * width].reshape(slots, width)
     q = torch.randn(len(seqs), q_heads, dim, generator=gen).to(dtype).to(DEVICE)
     tiles, decode = prefill_tiles(seqs.to(DEVICE), positions.to(DEVICE), block_m, slots)
     first = [sum(n for *_, n in runs[:i]) for i in range(len(runs))]

@@ -43,15 +43,6 @@ def _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stri
 
 
 @triton.jit
-def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """q @ k scaled, soft-capped when asked, in the log2 domain."""
-    s = dot(q, k, tl.zeros([q.shape[0], k.shape[1]], tl.float32)) * scale
-    if HAS_SOFTCAP:
-        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-    return s * 1.4426950408889634
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -129,7 +120,7 @@ def _prefill_kernel(
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
-        m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+        m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
     for n0 in range(full, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
@@ -141,7 +132,7 @@ def _prefill_kernel(
             visible = visible & (kv_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
-        m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+        m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, True)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + offs_m[:, None].to(tl.int64) * o_stride_t + h * o_stride_h + offs_d[None, :],
@@ -294,19 +285,25 @@ def group_query(q_row, kvh, q_stride_h, head_dim, GROUP: tl.constexpr, BLOCK_H: 
 def decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """One tile of keys and values folded into a decode query group's running softmax. Shared by the contiguous
     and the paged decode."""
-    return fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+    return fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, True)
 
 
 @triton.jit
-def fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """One tile of keys [D, N] and values [N, D] folded into the queries' running softmax (base 2): the running
-    maximum m_i, the sum l_i and the weighted values acc; `visible` [M, N] (or [1, N]) masks the scores. Every
-    attention kernel's inner step."""
-    s = _scores(q, k, scale, softcap, HAS_SOFTCAP)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    maximum m_i, the sum l_i and the weighted values acc; when MASKED, `visible` [M, N] (or [1, N]) masks the
+    scores (a tile every query sees whole skips it). Every attention kernel's inner step. The scale (with
+    log2(e)) is applied inside the exponent's multiply-add, so a score costs few operations beside the products."""
+    s = dot(q, k, tl.zeros([q.shape[0], k.shape[1]], tl.float32))
+    to_log2 = scale * 1.4426950408889634
+    if HAS_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * 1.4426950408889634
+        to_log2 = 1.0
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * to_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * to_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc

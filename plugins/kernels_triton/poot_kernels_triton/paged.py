@@ -353,7 +353,7 @@ def _paged_prefill_kernel(
             kv_mask = kv_pos < hi
             k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
                              p_stride_b, p_stride_p, UPCAST)  # fmt: skip
-            m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+            m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
         for n0 in range(full, hi, BLOCK_N):
             kv_pos = n0 + offs_n
             kv_mask = kv_pos < hi
@@ -362,7 +362,7 @@ def _paged_prefill_kernel(
             visible = kv_mask[None, :] & (kv_pos[None, :] <= limit[:, None])
             if HAS_WINDOW:
                 visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
-            m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP)
+            m_i, l_i, acc = fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, True)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o_ptr + offs_m[:, None].to(tl.int64) * o_stride_t + h * o_stride_h + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mine[:, None] & dmask[None, :])  # fmt: skip
