@@ -130,6 +130,20 @@ def _follow(args: argparse.Namespace, open_model: ModelOpener) -> int:
     return 0
 
 
+def _image_prompts(handle: Any, executor: Any, engine: Any) -> Any:
+    """The model's ImagePrompts, whose vision tower runs on this process's device (None: the model takes no
+    images). Over --tp/--pp ranks the engine's weights are this rank's share of the text model, so the tower,
+    which rank 0 runs for the whole group, gets the weights no text step reads, uploaded whole."""
+    from poot_core.distributed.executor import PlacedExecutor
+
+    placed_executor = engine.driver.executor
+    if not isinstance(placed_executor, PlacedExecutor):
+        return handle.family.image_prompts(handle, executor, engine.driver.weights)
+    if not handle.family.prompt_embeddings(handle.config()):
+        return None
+    return handle.family.image_prompts(handle, executor, placed_executor.upload_outside_steps(handle.store()))
+
+
 def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
     def load(state: Any) -> Any:
         from poot_core import CrossEncoder, ModelHandle, SentenceEncoder
@@ -149,7 +163,7 @@ def _loader(args: argparse.Namespace, open_model: ModelOpener) -> Any:
             kind = CrossEncoder if CrossEncoder.serves(scorer) else SentenceEncoder
             reranker = EncoderWorker(kind.from_handle(scorer, runtime.open_device(args), rows=args.embedding_rows),
                                      _name(args.rerank_model))
-        images = handle.family.image_prompts(handle, executor, engine.driver.weights)  # None: text only
+        images = _image_prompts(handle, executor, engine)  # None: text only
         coordinator = getattr(args, "coordinator", None)
         lead = Lead(coordinator) if coordinator is not None else None  # rank 0 of --tp/--pp
         bridge = EngineBridge(engine, images=images, lead=lead)  # type: ignore[arg-type]

@@ -116,6 +116,15 @@ class PlacedExecutor:
         # other steps of this rank (encode, all logits) read a subset of the decode step's weights
         return self.inner.upload(rank_store(store, names, shards))
 
+    def upload_outside_steps(self, store: Any) -> Any:
+        """The weights no step of the text model reads (a vision tower's and its projector's), whole, on this
+        rank's device: the rank that serves runs the tower for the whole group and hands the features to the
+        steps as prompt embeddings."""
+        from poot_core.driver.core import trace_step
+
+        text = set(trace_step(self.handle, StepShape(1, 1, self.plan.context)).weights)
+        return self.inner.upload(rank_store(store, set(store.shapes()) - text, {}))
+
     def prepare(self, graph: Graph, weights: Any) -> Any:
         local = self.local(graph)
         program = self.inner.prepare(local, weights)

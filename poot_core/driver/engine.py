@@ -270,11 +270,6 @@ class ServingDriver:
             if self.speculation is not None:
                 raise Unsupported(Reason.SHAPE, "prompt embeddings with speculative decoding",
                                   "a verify step splices no embeddings")
-            from poot_core.distributed.executor import PlacedExecutor
-
-            if isinstance(self.driver.executor, PlacedExecutor):
-                raise Unsupported(Reason.SHAPE, "prompt embeddings on a placed driver",
-                                  "the placed steps do not splice them yet; serve images on one device")
             family = self.driver.handle.family
             request = dataclasses.replace(request, embeddings=embeddings.checked(
                 request.embeddings, len(prompt), self.driver.config.hidden_size, family.name,

@@ -98,24 +98,56 @@ class _Pass:
                 and (n.input(2) is None or isinstance(n.input(2), WeightRef)))
 
     def heads_chain(self, ref: object) -> tuple[int, list[int]] | None:
-        """(linear, per-head nodes from the attention back to the reshape) for one attention input."""
-        chain = []
-        while True:
-            i = self.producer(ref)
+        """(linear, the per-head nodes from the attention input back to the reshape of the linear's output into
+        heads, the reshape last) for one attention input. The nodes may branch and join (M-RoPE: the sum over
+        sections of rope * the section's mask), as long as every branch ends at that one reshape and no node
+        between is read from outside."""
+        chain: list[int] = []
+        reshape, todo = None, [ref]
+        while todo:
+            r = todo.pop()
+            i = self.made.get(r.name) if isinstance(r, ValueRef) else None
             if i is None:
                 return None
+            if i in chain or i == reshape:
+                continue
             n = self.nodes[i]
             if n.op == "reshape" and len(n.shape) == 4:
-                chain.append(i)
-                j = self.producer(n.inputs[0], "linear")
-                return (j, chain) if self.plain_linear(j) else None
-            per_head = n.op in ("rope", "scale") or (n.op == "rms_norm" and len(n.shape) == 4
-                                                    and self.graph.weights.get(getattr(n.input(1), "name", ""))
-                                                    == (n.shape[-1],))
-            if not per_head:
+                if reshape is not None:
+                    return None
+                reshape = i
+                continue
+            if not self._per_head(n):
                 return None
             chain.append(i)
-            ref = n.inputs[0]
+            todo.extend(n.inputs[:2] if n.op == "add" else n.inputs[:1])
+        if reshape is None:
+            return None
+        inside = {self.nodes[i].output for i in (*chain, reshape)}
+        reads = {name: sum(ValueRef(name) in self.nodes[j].inputs for j in chain) for name in inside}
+        ends = 1  # the attention reads the chain's first value (or the reshape's, without a chain)
+        first = self.nodes[chain[0] if chain else reshape].output
+        if any(name in self.graph.outputs or self.readers.get(name, 0) != reads[name] + (name == first) * ends
+               for name in inside):
+            return None
+        j = self.producer(self.nodes[reshape].inputs[0], "linear")
+        return (j, [*chain, reshape]) if self.plain_linear(j) else None
+
+    def _per_head(self, n: Node) -> bool:
+        """Whether node n works on each head alone: rope, scale, a norm over the head's features, the sum of two
+        such values, or a product with one [head_dim] vector (M-RoPE's section masks)."""
+        if len(n.shape) != 4:
+            return False
+        if n.op in ("rope", "scale", "add"):
+            return True
+        other = n.input(1)
+        width = (n.shape[-1],)
+        if n.op == "rms_norm":
+            return self.graph.weights.get(getattr(other, "name", "")) == width
+        if n.op == "mul" and isinstance(other, ValueRef) and other.name not in self.made:
+            spec = self.graph.inputs.get(other.name)
+            return spec is not None and tuple(spec.shape) == width
+        return False
 
     def output_linear(self, i: int) -> tuple[int, int] | None:
         """(reshape, linear) that read attention node i's output and nothing else."""
@@ -309,7 +341,7 @@ class _Pass:
 
     def run(self) -> Graph:
         for i, node in enumerate(list(self.nodes)):
-            if node.op == "attention":
+            if node.op in ("attention", "group_attention"):  # the same q, k, v and caches
                 self.attention(i)
             elif node.op == "gated":
                 self.mlp(i)

@@ -225,6 +225,9 @@ class EngineBridge:
         except PootError as exc:
             self._push(ticket, Rejected(exc))
             return
+        except Exception as exc:  # a bug (the vision tower's, say): this request gets the error too, then the rest
+            self._push(ticket, Rejected(RuntimeError(f"engine failure: {exc!r}")))
+            raise
         if self.lead is not None:
             self.lead.submitted(rid, ticket.request, kwargs)
         ticket.request_id = rid

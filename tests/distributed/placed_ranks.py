@@ -81,23 +81,6 @@ def single(path: str, prompt: list[int], new: int) -> tuple[np.ndarray, list[int
 PAGED = {**OPTIONS, "block_size": 4, "step_tokens": 24, "max_running": 4}
 
 
-def embeddings_refused(coordinator: Coordinator, path: str) -> str:
-    """The refusal a placed serving engine gives a request with prompt embeddings (every rank's)."""
-    from poot_core import PromptEmbeddings
-
-    handle = ModelHandle.load(Path(path))
-    driver = Driver.placed(handle, coordinator, Placement("tensor"), open_executor("cpu"), DriverOptions(**PAGED))
-    engine = driver.serve(Layout.PAGED)
-    rows = np.array([1])
-    request = GenerateRequest([0, 17, 33], max_new=2,
-                              embeddings=PromptEmbeddings(rows, np.zeros((1, handle.config().hidden_size), np.float32)))
-    try:
-        engine.submit(request)
-    except Unsupported as exc:
-        return str(exc)
-    return "accepted"
-
-
 def paged_batch(coordinator: Coordinator | None, jobs: list[tuple[str, str, Any, list[Any], int]]) -> Any:
     """For each (key, checkpoint, placement, prompts, new tokens): the serving engine's (paged KV) tokens and
     logits of each request, all submitted at once; a prompt may be a whole GenerateRequest (image features as

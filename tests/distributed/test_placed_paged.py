@@ -1,7 +1,9 @@
 """The serving engine (paged KV, several requests sharing steps) on placed drivers of two ranks: each request's
-tokens and logits equal those of the same engine on one unplaced driver."""
+tokens and logits equal those of the same engine on one unplaced driver, image requests included."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import placed_ranks
@@ -32,15 +34,44 @@ def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint, hybrid_check
     assert len(placed) == len(jobs) and bad == []
 
 
-def test_images_on_a_placed_engine_are_refused(tmp_path):
-    """A vision model's text runs placed (test_placed_families covers the families); a request with image
-    features is refused by name before any work, on every rank."""
-    from helpers import vision
+def test_images_on_a_placed_engine(tmp_path):
+    """Requests with image features (prompt embeddings) on a placed serving engine, tensor parallel and pipeline:
+    SmolVLM (features spliced in), Qwen2.5-VL (rope by M-RoPE sections, which the tensor-parallel pass splits by
+    heads like any rope) and Gemma 3 (an image's tokens attend to each other both ways): each request's tokens
+    and logits equal one unplaced engine's, beside a text-only request."""
+    from poot_family_vision.runtime import VisionLanguageModel
 
-    path = vision.checkpoint(tmp_path / "smolvlm")
-    results = Coordinator.spawn(2, placed_ranks.embeddings_refused, str(path), timeout=600.0,
-                                collective_timeout=60.0, threads=1)
-    assert all("prompt embeddings on a placed driver" in r for r in results), results
+    from helpers import gemma3_vision, qwen25vl, vision
+    from poot_core import ModelHandle, open_executor
+
+    checkpoints = {"smolvlm": vision.checkpoint(tmp_path / "smolvlm"),
+                   "qwen2_5_vl": qwen25vl.chat_checkpoint(tmp_path / "qwen2_5_vl")[0],
+                   "gemma3": gemma3_vision.chat_checkpoint(tmp_path / "gemma3")[0]}
+    requests = {}
+    for name, path in checkpoints.items():
+        vlm = VisionLanguageModel(ModelHandle.load(path), open_executor("cpu"), capacity=64)
+        requests[name] = [vlm.request(vision.prompt_for(vlm, images), images, max_new=NEW, ignore_eos=True)
+                          for images in (vision.IMAGES[:1], vision.IMAGES[1:2], [])]
+    jobs = [(f"{name}:{placement}", str(path), placement, requests[name], NEW)
+            for name, path in checkpoints.items() for placement in ("tensor", "pipeline")]
+    placed = Coordinator.spawn(2, placed_ranks.paged_batch, jobs, timeout=600.0, collective_timeout=60.0,
+                               threads=1)[0]
+    alone = placed_ranks.paged_batch(None, [(name, str(path), None, requests[name], NEW)
+                                            for name, path in checkpoints.items()])
+    # the comparison can fail: without its image features a prompt's logits differ
+    blind = placed_ranks.paged_batch(None, [(name, str(path), None, [dataclasses.replace(r, embeddings=None)
+                                                                     for r in requests[name][:1]], NEW)
+                                            for name, path in checkpoints.items()])
+    for name in checkpoints:
+        assert float(np.abs(blind[name][0][1] - alone[name][0][1]).max()) > 1e-3, name
+    bad = []
+    for key, runs in placed.items():
+        for r, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(zip(runs, alone[key.split(":")[0]],
+                                                                               strict=True)):
+            err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+            if tokens != ref_tokens or not err <= 1e-5:
+                bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
+    assert len(placed) == len(jobs) and bad == []
 
 
 def test_pipeline_steps_run_as_micro_batches(tiny_checkpoint):

@@ -41,3 +41,33 @@ def test_bridge_finishes_tenants_in_turn():
     finally:
         bridge.stop()
     assert order == ["vip", "a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]
+
+
+def test_a_request_whose_images_fail_gets_an_error_not_silence():
+    """A bug inside a request's vision tower run (before the engine has it) stops the engine thread; that request
+    and the one queued behind it get an error instead of waiting for ever."""
+    from poot_core.server.bridge import Rejected
+
+    class BrokenTower:
+        def embeddings(self, prompt, images):
+            raise KeyError("vision.patch_embedding.weight")
+
+    handle = ModelHandle.load(smollm.gguf_path())
+    options = DriverOptions(capacity=64, prefill_chunk=32, block_size=16, step_tokens=64, max_running=1)
+    bridge = EngineBridge(Driver(handle, open_executor("cpu"), options).serve(Layout.PAGED), images=BrokenTower())
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        tickets = [Ticket(loop, GenerateRequest([1, 100, 200], max_new=1, ignore_eos=True)) for _ in range(2)]
+        tickets[0].images = ["an image"]
+        for t in tickets:
+            bridge.submit(t)
+        bridge.start()
+        return [await asyncio.wait_for(t.items.get(), 60) for t in tickets]
+
+    try:
+        items = asyncio.run(run())
+    finally:
+        bridge.stop()
+    assert all(isinstance(item, Rejected) for item in items), items
+    assert "vision.patch_embedding.weight" in str(items[0].error) and "engine failure" in str(items[1].error)

@@ -149,3 +149,35 @@ def test_the_server_over_two_ranks_answers_as_one_process_does(one_process, flag
     assert max(abs(a - b) for a, b in zip(ours_lp, ref_lp, strict=True)) < 1e-4
     assert placed[2][1]["usage"]["completion_tokens"] == 6
     assert code == 0  # SIGTERM went to rank 0, which drained and told the other rank to stop
+
+
+@pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")])
+def test_the_server_over_two_ranks_answers_chats_with_images(tmp_path_factory, flags):
+    """A Qwen2.5-VL checkpoint (M-RoPE by sections, which the tensor-parallel split follows by heads) served over
+    two ranks: rank 0 runs the vision tower on weights of its own (the ranks' shares hold only the text model's)
+    and the other rank gets the features with the request; a chat with an image is answered as
+    VisionLanguageModel.chat answers it."""
+    import base64
+    import io
+
+    from poot_family_vision.runtime import VisionLanguageModel
+
+    from helpers import qwen25vl, vision
+
+    path = qwen25vl.chat_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl-placed"))[0]
+    buf = io.BytesIO()
+    vision.IMAGES[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    server = start_server("-m", str(path), "--served-model-name", "tiny", *flags)
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
+                       json={"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0})
+    finally:
+        code = server.stop(timeout=120)
+    assert r.status_code == 200, r.text
+    vlm = VisionLanguageModel.load(path)
+    ids, _ = vlm.chat(messages, max_new=6)
+    assert r.json()["choices"][0]["message"]["content"] == vlm.handle.text().decode(ids, skip_special=False)
+    assert code == 0
