@@ -60,6 +60,12 @@ def case_inputs(tokens: int, context: int, capacity: int) -> tuple[torch.Tensor,
     return q, k_pool, v_pool, positions, seqs, tables
 
 
+def _ranked(runs: dict[str, Any], figure: str) -> None:
+    """One line: every run's figure, fastest first."""
+    ranked = sorted(runs.items(), key=lambda kv: kv[1]["us"])
+    common.log("   " + ", ".join(f"{k} {v[figure]:.0f}" for k, v in ranked))
+
+
 def prefill_inputs(seqs: int, new: int, start: int) -> tuple[torch.Tensor, ...]:
     """A step of `seqs` prefill runs of `new` tokens from `start`, their keys in random blocks of one pool."""
     width = -(-(start + new) // BLOCK)
@@ -142,8 +148,7 @@ def prefill_main(cases: str) -> int:
                    f" {done['shipped']['tflops'] / PEAK_TFLOPS:.0%} of peak); best {best} {done[best]['us']:8.1f} us"
                    f" ({done[best]['tflops']:5.0f} TFLOP/s); error vs float32 "
                    f"{row.get('shipped_max_abs_error_vs_float32', '-')}")  # fmt: skip
-        ranked = sorted(done.items(), key=lambda kv: kv[1]["us"])
-        common.log("   " + ", ".join(f"{k} {v['tflops']:.0f}" for k, v in ranked))
+        _ranked(done, "tflops")
         out["cases"].append(row)
         torch.cuda.empty_cache()
     print("wrote", common.write("paged_prefill_probe", out))
@@ -198,8 +203,7 @@ def main() -> int:
             f"({timed['shipped']['GBps']:5.0f} GB/s); best {best} {timed[best]['us']:8.1f} us "
             f"({timed[best]['GBps']:5.0f} GB/s)"
         )
-        ranked = sorted(timed.items(), key=lambda kv: kv[1]["us"])
-        common.log("   " + ", ".join(f"{k} {v['us']:.0f}" for k, v in ranked))
+        _ranked(timed, "us")
         out["cases"].append(row)
         torch.cuda.empty_cache()
     print("wrote", common.write("paged_probe", out))

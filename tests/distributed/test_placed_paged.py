@@ -14,6 +14,19 @@ PROMPTS = [[(3 * i + 7 * r) % 240 + 3 for i in range(6 + 5 * r)] for r in range(
 NEW = 5
 
 
+def _mismatches(placed: dict, alone: dict) -> list[str]:
+    """Each placed run ("family:placement") against the unplaced engine's: requests whose tokens differ or whose
+    logits are not within 1e-5 relative."""
+    bad = []
+    for key, runs in placed.items():
+        for r, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(zip(runs, alone[key.split(":")[0]],
+                                                                               strict=True)):
+            err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+            if tokens != ref_tokens or not err <= 1e-5:
+                bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
+    return bad
+
+
 def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint, hybrid_checkpoint):
     checkpoints = {"llama": tiny_checkpoint("llama"), "qwen3": tiny_checkpoint("qwen3"),
                    "mixtral": moe_checkpoint("mixtral"), "lfm2": hybrid_checkpoint("lfm2"),
@@ -24,14 +37,7 @@ def test_paged_engine_on_two_ranks(tiny_checkpoint, moe_checkpoint, hybrid_check
                                threads=1)[0]
     alone = placed_ranks.paged_batch(None, [(name, str(path), None, PROMPTS, NEW)
                                             for name, path in checkpoints.items()])
-    bad = []
-    for key, runs in placed.items():
-        for r, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(zip(runs, alone[key.split(":")[0]],
-                                                                               strict=True)):
-            err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
-            if tokens != ref_tokens or not err <= 1e-5:
-                bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
-    assert len(placed) == len(jobs) and bad == []
+    assert len(placed) == len(jobs) and _mismatches(placed, alone) == []
 
 
 def test_images_on_a_placed_engine(tmp_path):
@@ -64,14 +70,7 @@ def test_images_on_a_placed_engine(tmp_path):
                                             for name, path in checkpoints.items()])
     for name in checkpoints:
         assert float(np.abs(blind[name][0][1] - alone[name][0][1]).max()) > 1e-3, name
-    bad = []
-    for key, runs in placed.items():
-        for r, ((tokens, logits), (ref_tokens, ref_logits)) in enumerate(zip(runs, alone[key.split(":")[0]],
-                                                                               strict=True)):
-            err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
-            if tokens != ref_tokens or not err <= 1e-5:
-                bad.append(f"{key} request {r}: tokens {tokens} against {ref_tokens}, logits {err:.2e}")
-    assert len(placed) == len(jobs) and bad == []
+    assert len(placed) == len(jobs) and _mismatches(placed, alone) == []
 
 
 def test_pipeline_steps_run_as_micro_batches(tiny_checkpoint):
