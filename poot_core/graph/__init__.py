@@ -8,6 +8,7 @@ executor prepares once and runs many times. Shapes are concrete for the step sha
   passes.py   the op vocabulary (`OPS`) and what every executor derives from a graph: handler dispatch,
               liveness, the add -> rms_norm fusion, linears that share an input
   buffers.py  `BufferPool`: a step's device buffers by liveness, for backends that plan buffers themselves
+  planner.py  `NodeArgs`: how such a backend finds a node's weights, inputs and values
 
 This package is part of poot_core's public API: backend plugins import the passes from here.
 """
@@ -33,8 +34,9 @@ from poot_core.graph.ir import (
     sequence_runs,
 )
 from poot_core.graph.passes import OPS, Dispatch, OpSpec, handled_ops
+from poot_core.graph.planner import NodeArgs
 from poot_core.graph.tracer import Tracer
 
-__all__ = ["EMBED_ROWS", "EMBED_VALUES", "OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node", "OpSpec",
-           "Paging", "Ref", "StateRef", "StateSpec", "StepShape", "Tracer", "Value", "ValueRef", "WeightRef",
-           "handled_ops", "passes", "sequence_runs", "SECTION_POSITIONS", "GROUPS"]
+__all__ = ["EMBED_ROWS", "EMBED_VALUES", "OPS", "RECURRENT_KINDS", "BufferPool", "Dispatch", "Graph", "Node",
+           "NodeArgs", "OpSpec", "Paging", "Ref", "StateRef", "StateSpec", "StepShape", "Tracer", "Value", "ValueRef",
+           "WeightRef", "handled_ops", "passes", "sequence_runs", "SECTION_POSITIONS", "GROUPS"]

@@ -22,12 +22,11 @@ from poot_core import (
     Reason,
     RequestError,
     Unsupported,
-    WeightRef,
     check_positions,
     inverse_frequencies,
     rope_attention_factor,
 )
-from poot_core.graph import BufferPool, passes
+from poot_core.graph import BufferPool, NodeArgs, passes
 
 from .kernels import ops
 from .kernels.launch import Arr, DeviceWeight, Launch, Slot
@@ -43,7 +42,9 @@ PREFILL_SPLITS = 4  # several tokens a step: fewer, longer splits keep the parti
 MAX_EXPERTS = 256
 
 
-class OpenCLProgram:
+class OpenCLProgram(NodeArgs):
+    backend = "opencl"  # for refusals (NodeArgs)
+
     def __init__(self, runtime: Runtime, graph: Graph, weights: DeviceWeights) -> None:
         self.rt, self.graph, self.weights = runtime, graph, weights
         shape = graph.shape
@@ -89,35 +90,6 @@ class OpenCLProgram:
         self.step = Step(runtime, launches)
 
     # -- planning ------------------------------------------------------------------------------------
-
-    def _new(self, node: Node) -> Arr:
-        return self._buffers.new(node.output, tuple(node.shape))
-
-    def _value(self, node: Node, i: int) -> Arr:
-        ref = node.inputs[i]
-        name = "" if ref is None else ref.name
-        if isinstance(ref, WeightRef):
-            found = self.weights.vectors.get(name)
-            if found is None:
-                self._missing(node, name, "a vector")
-            return found
-        if name in self.inputs:
-            return self.inputs[name]
-        return self._buffers.value(node, name)
-
-    def _optional(self, node: Node, i: int) -> Arr | None:
-        return self._value(node, i) if node.input(i) is not None else None
-
-    def _matrix(self, node: Node, i: int) -> DeviceWeight:
-        ref = node.inputs[i]
-        found = self.weights.matrices.get(ref.name) if isinstance(ref, WeightRef) else None
-        if found is None:
-            self._missing(node, str(ref), "a stored matrix")
-        return found
-
-    def _missing(self, node: Node, weight: str, wanted: str) -> None:
-        why = self.weights.skipped.get(weight, "it is not a weight of the uploaded checkpoint")
-        raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the opencl backend needs {wanted}: {why}")
 
     def _rows(self, x: Arr, cols: int, node: Node) -> int:
         if x.size % cols:

@@ -27,7 +27,7 @@ from poot_core import (
     check_positions,
     rope_attention_factor,
 )
-from poot_core.graph import BufferPool, passes
+from poot_core.graph import BufferPool, NodeArgs, passes
 
 from .kernels import attention as attn
 from .kernels import elementwise as ew
@@ -66,7 +66,9 @@ def _view(array: DeviceArray, shape: tuple[int, ...]) -> DeviceArray:
     return DeviceArray(array.buffer, tuple(shape), array.dtype)
 
 
-class VulkanProgram:
+class VulkanProgram(NodeArgs):
+    backend = "vulkan"  # for refusals (NodeArgs)
+
     def __init__(self, runtime: Runtime, graph: Graph, weights: DeviceWeights) -> None:
         self.runtime = runtime
         self.graph = graph
@@ -129,35 +131,6 @@ class VulkanProgram:
         self._next: Any | None = None
 
     # -- planning ------------------------------------------------------------------------------------
-
-    def _new(self, node: Node) -> DeviceArray:
-        return self._buffers.new(node.output, tuple(node.shape))
-
-    def _value(self, node: Node, i: int) -> DeviceArray:
-        ref = node.inputs[i]
-        name = "" if ref is None else ref.name
-        if isinstance(ref, WeightRef):
-            found = self.weights.vectors.get(name)
-            if found is None:
-                self._missing(node, name, "a vector")
-            return found
-        if name in self.inputs:
-            return self.inputs[name]
-        return self._buffers.value(node, name)
-
-    def _matrix(self, node: Node, i: int) -> DeviceWeight:
-        ref = node.inputs[i]
-        found = self.weights.matrices.get(ref.name) if isinstance(ref, WeightRef) else None
-        if found is None:
-            self._missing(node, str(ref), "a stored matrix")
-        return found
-
-    def _missing(self, node: Node, weight: str, wanted: str) -> None:
-        why = self.weights.skipped.get(weight, "it is not a weight of the uploaded checkpoint")
-        raise Unsupported(Reason.SHAPE, f"{node.op} weight {weight}", f"the vulkan backend needs {wanted}: {why}")
-
-    def _optional(self, node: Node, i: int) -> DeviceArray | None:
-        return self._value(node, i) if node.input(i) is not None else None
 
     # -- nodes: op X is handled by op_X ------------------------------------------------------------------
 
