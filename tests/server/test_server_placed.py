@@ -151,20 +151,23 @@ def test_the_server_over_two_ranks_answers_as_one_process_does(one_process, flag
     assert code == 0  # SIGTERM went to rank 0, which drained and told the other rank to stop
 
 
-@pytest.mark.parametrize("flags", [("--tp", "2"), ("--pp", "2")])
-def test_the_server_over_two_ranks_answers_chats_with_images(tmp_path_factory, flags):
-    """A Qwen2.5-VL checkpoint (M-RoPE by sections, which the tensor-parallel split follows by heads) served over
-    two ranks: rank 0 runs the vision tower on weights of its own (the ranks' shares hold only the text model's)
-    and the other rank gets the features with the request; a chat with an image is answered as
-    VisionLanguageModel.chat answers it."""
+@pytest.mark.parametrize("arch,flags", [("qwen2_5_vl", ("--tp", "2")), ("qwen2_5_vl", ("--pp", "2")),
+                                        ("idefics3", ("--tp", "2")), ("gemma3", ("--tp", "2"))])
+def test_the_server_over_two_ranks_answers_chats_with_images(tmp_path_factory, arch, flags):
+    """A vision-language checkpoint served over two ranks (Qwen2.5-VL ropes by M-RoPE sections, which the
+    tensor-parallel split follows by heads; Gemma 3's image tokens attend both ways): rank 0 runs the vision tower
+    on weights of its own (the ranks' shares hold only the text model's) and the other rank gets the features with
+    the request; a chat with an image is answered as VisionLanguageModel.chat answers it."""
     import base64
     import io
 
     from poot_family_vision.runtime import VisionLanguageModel
 
-    from helpers import qwen25vl, vision
+    from helpers import gemma3_vision, qwen25vl, vision
 
-    path = qwen25vl.chat_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl-placed"))[0]
+    build = {"idefics3": vision.chat_checkpoint, "qwen2_5_vl": qwen25vl.chat_checkpoint,
+             "gemma3": gemma3_vision.chat_checkpoint}
+    path = build[arch](tmp_path_factory.mktemp(f"{arch}-placed"))[0]
     buf = io.BytesIO()
     vision.IMAGES[0].save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
