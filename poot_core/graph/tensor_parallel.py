@@ -123,13 +123,12 @@ class _Pass:
             todo.extend(n.inputs[:2] if n.op == "add" else n.inputs[:1])
         if reshape is None:
             return None
-        inside = {self.nodes[i].output for i in (*chain, reshape)}
-        reads = {name: sum(ValueRef(name) in self.nodes[j].inputs for j in chain) for name in inside}
-        ends = 1  # the attention reads the chain's first value (or the reshape's, without a chain)
+        # every value inside is read by the nodes inside alone, and the first (the attention's input) by it too
         first = self.nodes[chain[0] if chain else reshape].output
-        if any(name in self.graph.outputs or self.readers.get(name, 0) != reads[name] + (name == first) * ends
-               for name in inside):
-            return None
+        for name in {self.nodes[i].output for i in (*chain, reshape)}:
+            inside = sum(ValueRef(name) in self.nodes[j].inputs for j in chain) + (name == first)
+            if name in self.graph.outputs or self.readers.get(name, 0) != inside:
+                return None
         j = self.producer(self.nodes[reshape].inputs[0], "linear")
         return (j, [*chain, reshape]) if self.plain_linear(j) else None
 
