@@ -66,16 +66,24 @@ MAMBA2_BLOCK = {"attn_norm.weight": "norm.weight", "ssm_in.weight": "mixer.in_pr
                 "ssm_out.weight": "mixer.out_proj.weight", "ssm_a": None}
 MAMBA2_TOP = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
               "output.weight": "lm_head.weight"}
-_MAMBA2_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)$")
+BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)$")
+
+
+def table_name(name: str, top: dict[str, str | None], block: dict[str, str | None], family: str,
+               layers: str) -> str | None:
+    """A llama.cpp tensor's traced name from whole-name tables: blk.N.<part> by `block`, as <layers>.N.<mapped>,
+    the others by `top`; None where the table holds None (a tensor poot does not read), a typed refusal where it
+    holds nothing."""
+    match = BLOCK_NAME.match(name)
+    table, part = (block, match.group(2)) if match else (top, name)
+    if part not in table:
+        raise unknown_tensor(name, family)
+    mapped = table[part]
+    return None if mapped is None else (f"{layers}.{match.group(1)}.{mapped}" if match else mapped)
 
 
 def mamba2_tensor_name(name: str) -> str | None:
-    match = _MAMBA2_BLOCK_NAME.match(name)
-    table, part = (MAMBA2_BLOCK, match.group(2)) if match else (MAMBA2_TOP, name)
-    if part not in table:
-        raise unknown_tensor(name, "mamba2")
-    mapped = table[part]
-    return None if mapped is None else (f"backbone.layers.{match.group(1)}.{mapped}" if match else mapped)
+    return table_name(name, MAMBA2_TOP, MAMBA2_BLOCK, "mamba2", "backbone.layers")
 
 
 def mamba2_derived_weights(config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
@@ -119,7 +127,7 @@ GRANITE_NAMES = GGUFNames().extended(block={
 
 
 def granite_tensor_name(name: str) -> str | None:
-    match = _MAMBA2_BLOCK_NAME.match(name)
+    match = BLOCK_NAME.match(name)
     part = match.group(2) if match else ""
     if match and part in MAMBA2_BLOCK and part != "attn_norm.weight":  # attn_norm: the layer's input norm
         mapped = MAMBA2_BLOCK[part]

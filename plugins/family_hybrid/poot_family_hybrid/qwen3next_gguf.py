@@ -8,8 +8,6 @@ from which A_log is derived), the (1 + w) norms as 1 + w, and experts stacked. M
 
 from __future__ import annotations
 
-import re
-
 from poot_core import (
     CheckpointError,
     DerivedWeight,
@@ -19,9 +17,8 @@ from poot_core import (
     Reason,
     Unsupported,
     rope_from_gguf,
-    unknown_tensor,
 )
-from poot_family_hybrid.gguf import a_log_weights
+from poot_family_hybrid.gguf import BLOCK_NAME, a_log_weights, table_name
 from poot_family_hybrid.qwen3next import Qwen3NextParams
 
 BLOCK = {
@@ -40,19 +37,14 @@ BLOCK = {
 }
 TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
-_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
 def qwen3next_tensor_name(config: ModelConfig, name: str) -> str | None:
     p: Qwen3NextParams = config.params
-    match = _BLOCK_NAME.match(name)
+    match = BLOCK_NAME.match(name)
     if match and int(match.group(1)) >= p.layers:  # a multi-token-prediction block
         return None
-    table, part = (BLOCK, match.group(2)) if match else (TOP, name)
-    if part not in table:
-        raise unknown_tensor(name, "qwen3next")
-    mapped = table[part]
-    return None if mapped is None else (f"model.layers.{match.group(1)}.{mapped}" if match else mapped)
+    return table_name(name, TOP, BLOCK, "qwen3next", "model.layers")
 
 
 def qwen3next_gguf_derived(config: ModelConfig, tensors: GGUFTensors) -> dict[str, DerivedWeight]:
