@@ -60,6 +60,16 @@ def case_inputs(tokens: int, context: int, capacity: int) -> tuple[torch.Tensor,
     return q, k_pool, v_pool, positions, seqs, tables
 
 
+def _timed(runs: dict[str, Any], label: str, call: Any, reps: int, **amounts: float) -> None:
+    """runs[label]: the call's microseconds and, for each amount (bytes, flops) given in its unit, that amount a
+    second; or the error of a tile the device cannot run (noted, not fatal)."""
+    try:
+        ms = gpu_decode.events_ms(call, reps=reps, warmup=3)
+        runs[label] = {"us": ms * 1e3, **{name: amount / (ms * 1e-3) for name, amount in amounts.items()}}
+    except Exception as exc:
+        runs[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
 def _ranked(runs: dict[str, Any], figure: str) -> None:
     """One line: every run's figure, fastest first."""
     ranked = sorted(runs.items(), key=lambda kv: kv[1]["us"])
@@ -91,16 +101,14 @@ def prefill_case(case: str, shipped: Any) -> dict[str, Any]:
     seqs, new = (int(v) for v in shape.split("x"))
     start = int(at)
     q, k_pool, v_pool, positions, slots, tables = prefill_inputs(seqs, new, start)
-    flops = 4.0 * DIM * Q_HEADS * seqs * sum(start + i + 1 for i in range(new))
-    row: dict[str, Any] = {"case": case, "gflop": flops / 1e9, "runs": {}}
-
-    def timed(label: str, call: Any) -> None:
-        try:
-            ms = gpu_decode.events_ms(call, reps=10, warmup=2)
-            row["runs"][label] = {"us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12}
-        except Exception as exc:  # a tile the device cannot run: noted, not fatal
-            row["runs"][label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-
+    tflop = 4.0 * DIM * Q_HEADS * seqs * sum(start + i + 1 for i in range(new)) / 1e12
+    row: dict[str, Any] = {"case": case, "gflop": tflop * 1e3, "runs": {}}
+    # the same keys laid out contiguously [seqs, kv_heads, keys, dim], for the peers and the reference
+    width = tables.shape[1] * BLOCK
+    k = k_pool[tables].permute(0, 2, 1, 3, 4).reshape(seqs, KV_HEADS, width, DIM)[:, :, : start + new].contiguous()
+    v = v_pool[tables].permute(0, 2, 1, 3, 4).reshape(seqs, KV_HEADS, width, DIM)[:, :, : start + new].contiguous()
+    qs = q.view(seqs, new, Q_HEADS, DIM)
+    qt = qs.transpose(1, 2).contiguous()
     result = torch.empty_like(q)
     runs = [("shipped", shipped)] + [(name, dataclasses.replace(shipped, prefill=Tile(**tile)))
                                       for name, tile in PREFILL_TILES.items()]  # fmt: skip
@@ -112,23 +120,16 @@ def prefill_case(case: str, shipped: Any) -> dict[str, Any]:
             with use_tuning(tuning):
                 paged_prefill_attention(q, k_pool, v_pool, positions, slots, tables, tiles, result, scale=DIM**-0.5)
 
-        timed(label, call)
-    # the same keys laid out contiguously [seqs, kv_heads, keys, dim]
-    width = tables.shape[1] * BLOCK
-    k = k_pool[tables].permute(0, 2, 1, 3, 4).reshape(seqs, KV_HEADS, width, DIM)[:, :, : start + new].contiguous()
-    v = v_pool[tables].permute(0, 2, 1, 3, 4).reshape(seqs, KV_HEADS, width, DIM)[:, :, : start + new].contiguous()
-    qs = q.view(seqs, new, Q_HEADS, DIM)
-    timed("contiguous kernel, a sequence at a time",
-          lambda: [prefill_attention(qs[i], k[i], v[i], start) for i in range(seqs)])  # fmt: skip
+        _timed(row["runs"], label, call, 10, tflops=tflop)
+        if label == "shipped" and start == 0 and "us" in row["runs"][label]:  # result holds the shipped output
+            want = F.scaled_dot_product_attention(qt.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+            got = result.view(seqs, new, Q_HEADS, DIM).transpose(1, 2).float()
+            row["shipped_max_abs_error_vs_float32"] = float((got - want).abs().max())
+    _timed(row["runs"], "contiguous kernel, a sequence at a time",
+           lambda: [prefill_attention(qs[i], k[i], v[i], start) for i in range(seqs)], 10, tflops=tflop)
     if start == 0:
-        qt = qs.transpose(1, 2).contiguous()
-        timed("torch sdpa (flash)", lambda: F.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True))
-        with use_tuning(shipped):
-            tiles = prefill_tiles(slots, positions, prefill_tile(q.device, DIM).block_m, seqs)[0]
-            paged_prefill_attention(q, k_pool, v_pool, positions, slots, tables, tiles, result, scale=DIM**-0.5)
-        want = F.scaled_dot_product_attention(qt.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
-        row["shipped_max_abs_error_vs_float32"] = float((result.view(seqs, new, Q_HEADS, DIM).transpose(1, 2).float()
-                                                         - want).abs().max())  # fmt: skip
+        _timed(row["runs"], "torch sdpa (flash)",
+               lambda: F.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True), 10, tflops=tflop)
     return row
 
 
@@ -168,11 +169,8 @@ def main() -> int:
     from poot_kernels_triton.tuning import Tile, tuning_for_device, use_tuning
 
     shipped = tuning_for_device(torch.device("cuda"))
-    out = {
-        "device": torch.cuda.get_device_name(),
-        "shipped": {"tile": str(shipped.paged_decode or shipped.decode), "split_keys": shipped.paged_split_keys},
-        "cases": [],
-    }
+    out = {"device": torch.cuda.get_device_name(), "shipped": {"tile": str(shipped.paged_decode or shipped.decode),
+                                                                "split_keys": shipped.paged_split_keys}, "cases": []}
     for case in args.cases.split(","):
         tokens, context = (int(v) for v in case.split("x"))
         capacity = -(-(context + 129) // 128) * 128
@@ -181,28 +179,19 @@ def main() -> int:
         row = {"tokens": tokens, "context": context, "kv_GB": kv_bytes / 1e9, "runs": {}}
         runs = [("shipped", shipped)] + [
             (f"{name}/split{split}", dataclasses.replace(shipped, paged_decode=Tile(**tile), paged_split_keys=split))
-            for name, tile in TILES.items()
-            for split in (int(s) for s in args.splits.split(","))
-        ]
+            for name, tile in TILES.items() for split in (int(s) for s in args.splits.split(","))]
         for label, tuning in runs:
-
             def call(tuning=tuning, inputs=inputs) -> None:
                 with use_tuning(tuning):
                     paged_decode_attention(*inputs, scale=DIM**-0.5)
 
-            try:
-                ms = gpu_decode.events_ms(call, reps=20, warmup=3)
-                row["runs"][label] = {"us": ms * 1e3, "GBps": kv_bytes / (ms * 1e-3) / 1e9}
-            except Exception as exc:  # a tile the device cannot run: noted, not fatal
-                row["runs"][label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            _timed(row["runs"], label, call, 20, GBps=kv_bytes / 1e9)
         timed = {k: v for k, v in row["runs"].items() if "us" in v}
         best = min(timed, key=lambda k: timed[k]["us"])
         row["best"] = best
-        common.log(
-            f"{tokens:4d} tokens at {context:5d}: shipped {timed['shipped']['us']:8.1f} us "
-            f"({timed['shipped']['GBps']:5.0f} GB/s); best {best} {timed[best]['us']:8.1f} us "
-            f"({timed[best]['GBps']:5.0f} GB/s)"
-        )
+        common.log(f"{tokens:4d} tokens at {context:5d}: shipped {timed['shipped']['us']:8.1f} us "
+                   f"({timed['shipped']['GBps']:5.0f} GB/s); best {best} {timed[best]['us']:8.1f} us "
+                   f"({timed[best]['GBps']:5.0f} GB/s)")
         _ranked(timed, "us")
         out["cases"].append(row)
         torch.cuda.empty_cache()

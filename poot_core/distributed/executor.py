@@ -74,6 +74,7 @@ class PlacedExecutor:
         self._whole_inputs: dict[StepShape, set[str]] = {}
         self._inner_greedy = device_greedy(inner)
         self._check: Any = None
+        self._text_weights: set[str] | None = None  # every weight a step of the whole model reads (upload's)
 
     # --- the rank's share of a step ---------------------------------------------------------------------
     def local(self, graph: Graph) -> Graph:
@@ -107,6 +108,7 @@ class PlacedExecutor:
 
         self._check = splittable(store)
         probe = trace_step(self.handle, StepShape(1, 1, self.plan.context))
+        self._text_weights = set(probe.weights)
         c = self.coordinator
         if self.placement is Placement.PIPELINE:
             local, shards = stages.stage(probe, *self.plan.layers[c.rank]), {}
@@ -119,11 +121,10 @@ class PlacedExecutor:
     def upload_outside_steps(self, store: Any) -> Any:
         """The weights no step of the text model reads (a vision tower's and its projector's), whole, on this
         rank's device: the rank that serves runs the tower for the whole group and hands the features to the
-        steps as prompt embeddings."""
-        from poot_core.driver.core import trace_step
-
-        text = set(trace_step(self.handle, StepShape(1, 1, self.plan.context)).weights)
-        return self.inner.upload(rank_store(store, set(store.shapes()) - text, {}))
+        steps as prompt embeddings. After `upload`, whose probe step named the text model's weights."""
+        if self._text_weights is None:
+            raise RuntimeError("upload_outside_steps before upload: the text model's weights are not named yet")
+        return self.inner.upload(rank_store(store, set(store.shapes()) - self._text_weights, {}))
 
     def prepare(self, graph: Graph, weights: Any) -> Any:
         local = self.local(graph)

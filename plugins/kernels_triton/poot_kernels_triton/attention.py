@@ -19,7 +19,7 @@ from .launch import cdiv, check_dims, check_float, check_same_device, launch, ne
 from .matmul import dot
 from .tuning import Tile, Tuning, tuning_for_device
 
-_LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the log2 domain (exp2)
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _prefill_kernel(
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
         k, v = _kv_tiles(k_base, v_base, kv_pos, kv_mask, offs_d, dmask, k_stride_p, v_stride_p, UPCAST)
-        m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
+        m_i, l_i, acc = fold_tile(q, k, v, None, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
     for n0 in range(full, hi, BLOCK_N):
         kv_pos = n0 + offs_n
         kv_mask = kv_pos < kv_len
@@ -292,12 +292,13 @@ def decode_tile(q, k, v, kv_mask, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl
 def fold_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """One tile of keys [D, N] and values [N, D] folded into the queries' running softmax (base 2): the running
     maximum m_i, the sum l_i and the weighted values acc; when MASKED, `visible` [M, N] (or [1, N]) masks the
-    scores (a tile every query sees whole skips it). Every attention kernel's inner step. The scale (with
-    log2(e)) is applied inside the exponent's multiply-add, so a score costs few operations beside the products."""
+    scores (a tile every query sees whole skips it and passes None). Every attention kernel's inner step. The
+    scale (with log2(e)) is applied inside the exponent's multiply-add, so a score costs few operations beside the
+    products."""
     s = dot(q, k, tl.zeros([q.shape[0], k.shape[1]], tl.float32))
-    to_log2 = scale * 1.4426950408889634
+    to_log2 = scale * LOG2E
     if HAS_SOFTCAP:
-        s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * 1.4426950408889634
+        s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * LOG2E
         to_log2 = 1.0
     if MASKED:
         s = tl.where(visible, s, float("-inf"))

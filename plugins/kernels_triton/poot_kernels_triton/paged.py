@@ -353,7 +353,7 @@ def _paged_prefill_kernel(
             kv_mask = kv_pos < hi
             k, v = _paged_kv(kp_ptr, vp_ptr, table, kv_pos, kv_mask, head_off, offs_d, dmask, block_size,
                              p_stride_b, p_stride_p, UPCAST)  # fmt: skip
-            m_i, l_i, acc = fold_tile(q, k, v, kv_mask[None, :], m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
+            m_i, l_i, acc = fold_tile(q, k, v, None, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, False)
         for n0 in range(full, hi, BLOCK_N):
             kv_pos = n0 + offs_n
             kv_mask = kv_pos < hi
